@@ -1,0 +1,111 @@
+"""Owns the models, their paged KV caches and the block manager; turns sequences into model inputs.
+
+No speculative logic lives here (that is spec_decode.py): the runner only knows how to run a target forward,
+a drafter context update and a drafter block forward over a set of (sequence, tokens, start position).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from cudflash.backends.base import Backend, build_meta
+from cudflash.checkpoint import Checkpoint
+from cudflash.config import DraftConfig, TargetConfig
+from cudflash.engine.block_manager import BlockManager
+from cudflash.engine.sequence import Sequence
+from cudflash.errors import BackendError
+from cudflash.models.batch import ForwardBatch, KVCache
+from cudflash.models.dflash import DFlashDraftModel
+from cudflash.models.target import TargetModel
+from cudflash.models.weights import WeightLoader
+
+
+class LoadProgress:
+    """A one-line progress indication on stderr while weights move to the backend."""
+
+    def __init__(self, label: str, total_bytes: int, enabled: bool):
+        self.label, self.total, self.done, self.enabled = label, max(total_bytes, 1), 0, enabled
+        self.start = self.last = time.perf_counter()
+
+    def __call__(self, nbytes: int) -> None:
+        self.done += nbytes
+        now = time.perf_counter()
+        if self.enabled and (now - self.last > 0.5 or self.done >= self.total):
+            self.last = now
+            print(f"\rloading {self.label}: {100 * self.done / self.total:5.1f}% "
+                  f"({self.done / 1e9:.2f} / {self.total / 1e9:.2f} GB, {now - self.start:.1f} s)",
+                  end="\n" if self.done >= self.total else "", file=sys.stderr, flush=True)
+
+
+def _loader(ckpt: Checkpoint, backend: Backend, label: str, progress: bool) -> WeightLoader:
+    total = sum(ckpt.info(n).nbytes for n in ckpt.names)
+    return WeightLoader(ckpt, backend, progress=LoadProgress(label, total, progress))
+
+
+class ModelRunner:
+    def __init__(self, target_cfg: TargetConfig, draft_cfg: DraftConfig | None, backend: Backend, *,
+                 max_block_size: int, kv_block_size: int = 16, num_kv_blocks: int | None = None,
+                 max_num_seqs: int = 64, memory_utilization: float = 0.9, progress: bool = False):
+        self.backend, self.target_cfg, self.draft_cfg = backend, target_cfg, draft_cfg
+        max_positions = target_cfg.max_position_embeddings + max_block_size + 1
+        self.target = TargetModel(target_cfg, _loader(Checkpoint(target_cfg.path), backend, "target", progress),
+                                  backend, max_positions)
+        self.draft: DFlashDraftModel | None = None
+        self.tap_layers: list[int] = []
+        if draft_cfg is not None:
+            self.tap_layers = draft_cfg.target_layer_ids
+            self.draft = DFlashDraftModel(draft_cfg, _loader(Checkpoint(draft_cfg.path), backend, "drafter", progress),
+                                          backend, max_positions, len(self.tap_layers))
+        t, d = target_cfg, draft_cfg
+        per_position = t.num_layers * 2 * t.num_kv_heads * t.head_dim
+        if d is not None:
+            per_position += d.num_layers * 2 * d.num_kv_heads * d.head_dim
+        bytes_per_block = per_position * kv_block_size * backend.act_itemsize
+        if num_kv_blocks is None:
+            wanted = max_num_seqs * -(-max_positions // kv_block_size)
+            budget = int(backend.memory_budget(memory_utilization) // bytes_per_block)
+            if budget < -(-max_positions // kv_block_size):
+                raise BackendError(
+                    f"too little memory for the KV cache: room for {budget} blocks of {kv_block_size} tokens "
+                    f"({bytes_per_block / 2**20:.1f} MiB each); raise the memory utilization or free memory"
+                )
+            num_kv_blocks = min(wanted, budget)
+        self.blocks = BlockManager(num_kv_blocks, kv_block_size)
+        shape = lambda c: (c.num_layers, num_kv_blocks, kv_block_size, c.num_kv_heads, c.head_dim)  # noqa: E731
+        self.target_kv = KVCache(backend.zeros(shape(t), "act"), backend.zeros(shape(t), "act"))
+        self.draft_kv = KVCache(backend.zeros(shape(d), "act"), backend.zeros(shape(d), "act")) if d else None
+
+    # ---- inputs
+    def batch(self, seqs: list[Sequence], ids: list[list[int]], starts: list[int]) -> ForwardBatch:
+        """Rows ids[i] of seqs[i] at positions starts[i].. ; keys visible up to the last of those positions."""
+        b = self.backend
+        positions = np.concatenate([np.arange(s, s + len(x)) for s, x in zip(starts, ids)]).astype(np.int32)
+        slots = np.concatenate([self.blocks.slots(q, s, len(x)) for q, s, x in zip(seqs, starts, ids)]).astype(np.int32)
+        meta = build_meta([len(x) for x in ids], [s + len(x) for s, x in zip(starts, ids)],
+                          [q.block_table for q in seqs])
+        return ForwardBatch(b.asarray(np.concatenate(ids).astype(np.int32), "i32"), b.asarray(positions, "i32"),
+                            b.asarray(slots, "i32"), b.prepare_meta(meta))
+
+    # ---- model calls
+    def target_forward(self, batch: ForwardBatch) -> tuple[Any, Any | None]:
+        return self.target.forward(batch, self.target_kv, self.tap_layers or None)
+
+    def draft_context(self, taps: Any, batch: ForwardBatch, rows: np.ndarray | None = None) -> None:
+        """Feed the taps of the batch rows `rows` (newly committed tokens; all rows if None) to the drafter."""
+        b, positions, slots = self.backend, batch.positions, batch.slots
+        if rows is not None:
+            index = b.asarray(rows, "i32")
+            taps, positions, slots = b.take_rows(taps, index), b.take_rows(positions, index), b.take_rows(slots, index)
+        self.draft.update_context(taps, positions, slots, self.draft_kv)
+
+    def draft_forward(self, batch: ForwardBatch) -> Any:
+        return self.draft.forward(batch, self.draft_kv, self.target)
+
+    def logits(self, hidden: Any, rows: np.ndarray | None = None) -> Any:
+        b = self.backend
+        if rows is not None:
+            hidden = b.take_rows(hidden, b.asarray(rows, "i32"))
+        return self.target.logits(hidden)

@@ -1,0 +1,21 @@
+"""The inputs of one model forward: which tokens, at which positions, written to which KV slots."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cudflash.backends.base import AttentionMeta
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    ids: Any  # int32 [T] token ids (device)
+    positions: Any  # int32 [T] absolute positions (device)
+    slots: Any  # int32 [T] paged-cache slot of each row (device)
+    meta: AttentionMeta  # per-sequence row ranges, context lengths and block tables
+
+
+@dataclass(slots=True)
+class KVCache:
+    k: Any  # [num_layers, num_blocks, block_size, kv_heads, head_dim]
+    v: Any  # [num_layers, num_blocks, block_size, kv_heads, head_dim]

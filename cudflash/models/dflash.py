@@ -1,0 +1,112 @@
+"""The DFlash block-diffusion draft head (z-lab `DFlashDraftModel`).
+
+Two entry points, both writing into the drafter's own paged KV cache (same block tables as the target):
+- `update_context`: target taps of newly committed tokens -> fc -> hidden_norm -> one GEMM with every layer's
+  K and V weights stacked -> k_norm + RoPE at their own positions -> stored. Only context K/V ever persist.
+- `forward`: the block [anchor, MASK x (B-1)], embedded with the target's table; every layer attends
+  non-causally over (its context K/V ++ the block's own K/V). The block's K/V are written at the block's
+  positions (lookahead slots) and are overwritten by context K/V once those positions are committed.
+Row j of the output predicts the token at position anchor + j (row 0 echoes the anchor).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cudflash.backends.base import Backend
+from cudflash.config import DraftConfig
+from cudflash.models.batch import ForwardBatch, KVCache
+from cudflash.models.target import TargetModel
+from cudflash.models.weights import WeightLoader
+from cudflash.rope import rope_tables
+
+
+@dataclass(slots=True)
+class DraftLayer:
+    input_norm: Any  # [H]
+    q_proj: Any  # [Hq * D, H]
+    q_bias: Any | None  # [Hq * D]
+    q_norm: Any  # [D]
+    k_norm: Any  # [D]
+    o_proj: Any  # [H, Hq * D]
+    post_norm: Any  # [H]
+    gate_up: Any  # [2 I, H]
+    down: Any  # [H, I]
+
+
+class DFlashDraftModel:
+    def __init__(self, cfg: DraftConfig, loader: WeightLoader, backend: Backend, max_positions: int,
+                 num_taps: int):
+        self.cfg, self.b = cfg, backend
+        H, D, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        q_dim, kv_dim = cfg.num_heads * D, cfg.num_kv_heads * D
+        self.fc = loader.get("fc.weight", (H, num_taps * H))  # [H, K * H]
+        self.hidden_norm = loader.get("hidden_norm.weight", (H,))  # [H]
+        self.norm = loader.get("norm.weight", (H,))  # [H]
+        self.layers: list[DraftLayer] = []
+        kv_rows, kv_bias = [], []
+        for i in range(cfg.num_layers):
+            p = f"layers.{i}."
+            attn = p + "self_attn."
+            kv_rows += [(attn + "k_proj.weight", (kv_dim, H)), (attn + "v_proj.weight", (kv_dim, H))]
+            kv_bias += [(attn + "k_proj.bias", (kv_dim,)), (attn + "v_proj.bias", (kv_dim,))]
+            self.layers.append(DraftLayer(
+                input_norm=loader.get(p + "input_layernorm.weight", (H,)),
+                q_proj=loader.get(attn + "q_proj.weight", (q_dim, H)),
+                q_bias=loader.get(attn + "q_proj.bias", (q_dim,)) if cfg.attention_bias else None,
+                q_norm=loader.get(attn + "q_norm.weight", (D,)),
+                k_norm=loader.get(attn + "k_norm.weight", (D,)),
+                o_proj=loader.get(attn + "o_proj.weight", (H, q_dim)),
+                post_norm=loader.get(p + "post_attention_layernorm.weight", (H,)),
+                gate_up=loader.fused([(p + "mlp.gate_proj.weight", (I, H)), (p + "mlp.up_proj.weight", (I, H))]),
+                down=loader.get(p + "mlp.down_proj.weight", (H, I)),
+            ))
+        # Layer l's K rows then V rows sit at rows [2 l kv_dim, 2 (l + 1) kv_dim): a contiguous row block is also
+        # that layer's own K/V weight for the block tokens, so nothing is stored twice.
+        self.fused_kv = loader.fused(kv_rows)  # [L * 2 * Hk * D, H]
+        self.fused_kv_bias = loader.fused(kv_bias) if cfg.attention_bias else None  # [L * 2 * Hk * D]
+        cos, sin = rope_tables(cfg.rope, D, max_positions)
+        self.rope_cos = backend.asarray(cos, "f32")  # [max_positions, D / 2]
+        self.rope_sin = backend.asarray(sin, "f32")  # [max_positions, D / 2]
+        self.scale = D ** -0.5
+        self.kv_dim = kv_dim
+
+    def _layer_kv(self, i: int) -> tuple[Any, Any | None]:
+        lo, hi = 2 * i * self.kv_dim, 2 * (i + 1) * self.kv_dim
+        bias = self.fused_kv_bias[lo:hi] if self.fused_kv_bias is not None else None
+        return self.fused_kv[lo:hi], bias
+
+    def _store(self, i: int, kv_rows: Any, positions: Any, slots: Any, kv: KVCache) -> None:
+        """k_norm + RoPE on the K half of `kv_rows` [T, 2 Hk D], then both halves into layer i's cache."""
+        cfg = self.cfg
+        k = self.b.head_norm_rope(kv_rows[:, : self.kv_dim], cfg.head_dim, positions, self.rope_cos,
+                                  self.rope_sin, self.layers[i].k_norm, cfg.rms_norm_eps)
+        self.b.store_kv(k, kv_rows[:, self.kv_dim:], kv.k[i], kv.v[i], slots)
+
+    def update_context(self, taps: Any, positions: Any, slots: Any, kv: KVCache) -> None:
+        b, cfg = self.b, self.cfg
+        ctx = b.rms_norm(b.linear(taps, self.fc), self.hidden_norm, cfg.rms_norm_eps)
+        all_kv = b.linear(ctx, self.fused_kv, self.fused_kv_bias)  # [T, L * 2 * Hk * D]
+        width = 2 * self.kv_dim
+        for i in range(cfg.num_layers):
+            self._store(i, all_kv[:, i * width:(i + 1) * width], positions, slots, kv)
+
+    def forward(self, batch: ForwardBatch, kv: KVCache, target: TargetModel) -> Any:
+        """Final-normed hidden states of the block rows, [T, H]."""
+        b, cfg = self.b, self.cfg
+        hidden, residual = target.embed(batch.ids), None
+        for i, layer in enumerate(self.layers):
+            if residual is None:
+                residual, hidden = hidden, b.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+            else:
+                hidden, residual = b.add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
+            q = b.head_norm_rope(b.linear(hidden, layer.q_proj, layer.q_bias), cfg.head_dim, batch.positions,
+                                 self.rope_cos, self.rope_sin, layer.q_norm, cfg.rms_norm_eps)
+            self._store(i, b.linear(hidden, *self._layer_kv(i)), batch.positions, batch.slots, kv)
+            attn = b.attention(q, kv.k[i], kv.v[i], batch.meta, self.scale, causal=False,
+                               window=cfg.layer_windows[i])
+            hidden = b.linear(attn, layer.o_proj)
+            hidden, residual = b.add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
+            hidden = b.linear(b.silu_mul(b.linear(hidden, layer.gate_up)), layer.down)
+        hidden, _ = b.add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)
+        return hidden

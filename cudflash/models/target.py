@@ -1,0 +1,99 @@
+"""The target transformer (Qwen3, Qwen2, Llama), with taps: the residual stream after chosen layers.
+
+One decoder layer is the usual pre-norm block; the residual add is fused into the next RMSNorm
+(`add_rms_norm`), so the residual stream after layer i is `hidden + residual` at that layer's end.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cudflash.backends.base import Backend
+from cudflash.config import TargetConfig
+from cudflash.models.batch import ForwardBatch, KVCache
+from cudflash.models.weights import WeightLoader
+from cudflash.rope import rope_tables
+
+
+@dataclass(slots=True)
+class TargetLayer:
+    input_norm: Any  # [H]
+    qkv: Any  # [(Hq + 2 Hk) * D, H]
+    qkv_bias: Any | None  # [(Hq + 2 Hk) * D]
+    q_norm: Any | None  # [D] (Qwen3)
+    k_norm: Any | None  # [D]
+    o_proj: Any  # [H, Hq * D]
+    post_norm: Any  # [H]
+    gate_up: Any  # [2 I, H]
+    down: Any  # [H, I]
+
+
+class TargetModel:
+    def __init__(self, cfg: TargetConfig, loader: WeightLoader, backend: Backend, max_positions: int):
+        self.cfg, self.b = cfg, backend
+        H, D, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        q_dim, kv_dim = cfg.num_heads * D, cfg.num_kv_heads * D
+        self.embed_tokens = loader.get("model.embed_tokens.weight", (cfg.vocab_size, H))  # [V, H]
+        self.layers: list[TargetLayer] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            attn = p + "self_attn."
+            bias = None
+            if cfg.attention_bias:
+                bias = loader.fused([(attn + "q_proj.bias", (q_dim,)), (attn + "k_proj.bias", (kv_dim,)),
+                                     (attn + "v_proj.bias", (kv_dim,))])
+            self.layers.append(TargetLayer(
+                input_norm=loader.get(p + "input_layernorm.weight", (H,)),
+                qkv=loader.fused([(attn + "q_proj.weight", (q_dim, H)), (attn + "k_proj.weight", (kv_dim, H)),
+                                  (attn + "v_proj.weight", (kv_dim, H))]),
+                qkv_bias=bias,
+                q_norm=loader.get(attn + "q_norm.weight", (D,)) if cfg.qk_norm else None,
+                k_norm=loader.get(attn + "k_norm.weight", (D,)) if cfg.qk_norm else None,
+                o_proj=loader.get(attn + "o_proj.weight", (H, q_dim)),
+                post_norm=loader.get(p + "post_attention_layernorm.weight", (H,)),
+                gate_up=loader.fused([(p + "mlp.gate_proj.weight", (I, H)), (p + "mlp.up_proj.weight", (I, H))]),
+                down=loader.get(p + "mlp.down_proj.weight", (H, I)),
+            ))
+        self.norm = loader.get("model.norm.weight", (H,))  # [H]
+        if cfg.tie_word_embeddings and "lm_head.weight" not in loader.ckpt:
+            self.lm_head = self.embed_tokens  # [V, H], tied
+        else:
+            self.lm_head = loader.get("lm_head.weight", (cfg.vocab_size, H))  # [V, H]
+        cos, sin = rope_tables(cfg.rope, D, max_positions)
+        self.rope_cos = backend.asarray(cos, "f32")  # [max_positions, D / 2]
+        self.rope_sin = backend.asarray(sin, "f32")  # [max_positions, D / 2]
+        self.scale = D ** -0.5
+
+    def embed(self, ids: Any) -> Any:
+        return self.b.embedding(ids, self.embed_tokens)
+
+    def forward(self, batch: ForwardBatch, kv: KVCache, tap_layers: list[int] | None = None) -> tuple[Any, Any | None]:
+        """Causal forward over the batch's rows; returns (final-normed hidden [T, H], taps [T, K * H] or None)."""
+        b, cfg = self.b, self.cfg
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        hidden, residual = self.embed(batch.ids), None
+        taps: dict[int, Any] = {}
+        for i, layer in enumerate(self.layers):
+            if residual is None:
+                residual, hidden = hidden, b.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+            else:
+                hidden, residual = b.add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
+            qkv = b.linear(hidden, layer.qkv, layer.qkv_bias)
+            q = b.head_norm_rope(qkv[:, :q_dim], cfg.head_dim, batch.positions, self.rope_cos, self.rope_sin,
+                                 layer.q_norm, cfg.rms_norm_eps)
+            k = b.head_norm_rope(qkv[:, q_dim:q_dim + kv_dim], cfg.head_dim, batch.positions, self.rope_cos,
+                                 self.rope_sin, layer.k_norm, cfg.rms_norm_eps)
+            b.store_kv(k, qkv[:, q_dim + kv_dim:], kv.k[i], kv.v[i], batch.slots)
+            attn = b.attention(q, kv.k[i], kv.v[i], batch.meta, self.scale, causal=True)
+            hidden = b.linear(attn, layer.o_proj)
+            hidden, residual = b.add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
+            hidden = b.linear(b.silu_mul(b.linear(hidden, layer.gate_up)), layer.down)
+            if tap_layers and i in tap_layers:
+                taps[i] = b.add(hidden, residual)
+        hidden, _ = b.add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)
+        if tap_layers:
+            return hidden, b.cat([taps[i] for i in tap_layers], axis=1)  # in target_layer_ids order
+        return hidden, None
+
+    def logits(self, hidden: Any) -> Any:
+        return self.b.linear(hidden, self.lm_head)
