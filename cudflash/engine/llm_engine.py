@@ -15,7 +15,7 @@ from cudflash.backends import get_backend
 from cudflash.config import load_draft_config, load_target_config, validate_pair
 from cudflash.engine.model_runner import ModelRunner
 from cudflash.engine.sequence import Sequence, SequenceStatus
-from cudflash.engine.spec_decode import decode_step, prefill, spec_step
+from cudflash.engine.spec_decode import Proposer, decode_step, dflash_propose, prefill, spec_step
 from cudflash.errors import ConfigError, RequestError
 from cudflash.sampling_params import SamplingParams
 from cudflash.tokenizer import load_tokenizer
@@ -56,6 +56,7 @@ class LLM:
                                   progress=progress)
         self.tokenizer = load_tokenizer(target)
         self.eos_token_ids = set(self.target_cfg.eos_token_ids)
+        self.proposer: Proposer = dflash_propose  # replaceable, e.g. by an oracle in tests
         self._next_id = 0
 
     @property
@@ -132,7 +133,7 @@ class LLM:
             if active:
                 before = [len(s.output_ids) for s in active]
                 if self.speculative:
-                    spec_step(self.runner, active, self.block_size)
+                    spec_step(self.runner, active, self.block_size, self.proposer)
                 else:
                     decode_step(self.runner, active)
                 for s, n in zip(active, before):

@@ -5,6 +5,8 @@ of `Sequence`: afterwards `num_cached == num_tokens - 1` and the drafter context
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from cudflash.engine.model_runner import ModelRunner
@@ -42,21 +44,25 @@ def decode_step(runner: ModelRunner, seqs: list[Sequence]) -> None:
         s.acceptance_lengths.append(1)
 
 
-def propose(runner: ModelRunner, seqs: list[Sequence], block: int) -> tuple[ForwardBatch, np.ndarray]:
-    """Drafter forward over [last token, MASK x (block-1)] per sequence; returns the batch and drafts [n, block-1]."""
-    mask = runner.draft_cfg.mask_token_id
-    batch = runner.batch(seqs, [[s.last_token] + [mask] * (block - 1) for s in seqs], [s.num_cached for s in seqs])
+def dflash_propose(runner: ModelRunner, batch: ForwardBatch, seqs: list[Sequence], block: int) -> np.ndarray:
+    """Drafter forward over the block batch [last token, MASK x (block-1)]; argmax drafts [n, block-1]."""
     hidden = runner.draft_forward(batch)
     rows = (np.arange(len(seqs))[:, None] * block + np.arange(1, block)[None, :]).reshape(-1)
     drafts = runner.backend.to_numpy(runner.backend.argmax(runner.logits(hidden, rows)))
-    return batch, drafts.reshape(len(seqs), block - 1).astype(np.int64)
+    return drafts.reshape(len(seqs), block - 1).astype(np.int64)
 
 
-def spec_step(runner: ModelRunner, seqs: list[Sequence], block: int) -> None:
+Proposer = Callable[[ModelRunner, ForwardBatch, list[Sequence], int], np.ndarray]
+
+
+def spec_step(runner: ModelRunner, seqs: list[Sequence], block: int, proposer: Proposer = dflash_propose) -> None:
+    """Propose, verify, accept, roll back; then the committed rows' taps become drafter context."""
     b = runner.backend
     for s in seqs:
         runner.blocks.reserve(s, s.num_cached + block)
-    batch, drafts = propose(runner, seqs, block)
+    mask = runner.draft_cfg.mask_token_id
+    batch = runner.batch(seqs, [[s.last_token] + [mask] * (block - 1) for s in seqs], [s.num_cached for s in seqs])
+    drafts = proposer(runner, batch, seqs, block)
     # Verify: the same positions and slots (now in the target's cache), the drafts in place of the masks.
     ids = np.concatenate([np.concatenate([[s.last_token], d]) for s, d in zip(seqs, drafts)]).astype(np.int32)
     batch = ForwardBatch(b.asarray(ids, "i32"), batch.positions, batch.slots, batch.meta)

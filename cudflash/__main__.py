@@ -1,0 +1,3 @@
+from cudflash.cli import main
+
+main()

@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cudflash.engine.sequence import Sequence
+from cudflash.sampling_params import SamplingParams
+
+TINY_PAIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "models" / "tiny-code-pair"
+
+
+@pytest.fixture(scope="session")
+def tiny_pair() -> Path:
+    if not (TINY_PAIR / "golden_dev.jsonl").is_file():
+        pytest.skip("../shared/models/tiny-code-pair is absent")
+    return TINY_PAIR.resolve()
+
+
+@pytest.fixture(scope="session")
+def goldens(tiny_pair: Path) -> list[dict]:
+    return [json.loads(line) for line in (tiny_pair / "golden_dev.jsonl").read_text().splitlines()]
+
+
+def last_logits(llm, ids: list[int]) -> np.ndarray:
+    """The target's float32 logits after `ids` (one fresh forward; the sequence's blocks are freed after)."""
+    runner = llm.runner
+    seq = Sequence(-1, list(ids), SamplingParams())
+    runner.blocks.reserve(seq, len(ids))
+    try:
+        batch = runner.batch([seq], [list(ids)], [0])
+        hidden, _ = runner.target.forward(batch, runner.target_kv)
+        return runner.backend.to_numpy(runner.logits(hidden, np.array([len(ids) - 1])))[0]
+    finally:
+        runner.blocks.free(seq)
+
+
+def top2_relative_gap(logits: np.ndarray) -> float:
+    a, b = np.sort(logits)[-2:][::-1]
+    return float((a - b) / max(abs(a), 1e-12))
