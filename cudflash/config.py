@@ -55,6 +55,7 @@ class TargetConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v biases (Qwen2, some Llamas)
+    o_proj_bias: bool  # an o_proj bias too (Llama / Qwen3 with attention_bias; never Qwen2)
     qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -79,6 +80,10 @@ class DraftConfig:
     vocab_size: int | None
     # Per drafter layer: 0 for full attention, else the sliding window (in tokens) over the context.
     layer_windows: list[int] = field(default_factory=list)
+    num_target_layers: int | None = None  # depth of the target it was trained for, when the config says
+
+
+_REQUIRED = object()
 
 
 def read_config_json(model_dir: str | Path) -> dict[str, Any]:
@@ -88,50 +93,106 @@ def read_config_json(model_dir: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{path}: missing config.json")
     try:
-        return json.loads(path.read_text())
+        cfg = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+def _int(cfg: dict, key: str, path: str, default: Any = _REQUIRED, minimum: int | None = 1, label: str = "") -> Any:
+    """An integer field (integral floats such as 4096.0 accepted; bools and strings are not)."""
+    label = label or key
+    value = cfg.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ConfigError(f"{path}: missing field '{label}'")
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"{path}: field '{label}' should be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{path}: field '{label}' must be >= {minimum}, got {value}")
+    return value
+
+
+def _float(cfg: dict, key: str, path: str, default: Any = _REQUIRED, positive: bool = True, label: str = "") -> Any:
+    label = label or key
+    value = cfg.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ConfigError(f"{path}: missing field '{label}'")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ConfigError(f"{path}: field '{label}' should be a number, got {value!r}")
+    if positive and not value > 0:
+        raise ConfigError(f"{path}: field '{label}' must be > 0, got {value}")
+    return float(value)
 
 
 def _need(cfg: dict, key: str, path: str, kind: type = int) -> Any:
-    if key not in cfg or cfg[key] is None:
-        raise ConfigError(f"{path}: missing field '{key}'")
-    value = cfg[key]
-    try:
-        return kind(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{path}: field '{key}' should be {kind.__name__}, got {value!r}") from None
+    """A required field (kept for callers outside this module): positive int, or positive float."""
+    return _int(cfg, key, path) if kind is int else _float(cfg, key, path)
 
 
 def parse_rope(cfg: dict, path: str) -> RopeConfig:
+    """RoPE settings from `rope_theta` + `rope_scaling` (older) or `rope_parameters` (newer); the latter wins."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise ConfigError(f"{path}: field '{key}' should be an object or null, got {cfg[key]!r}")
     params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    merged = {**scaling, **params}
-    theta = merged.get("rope_theta", cfg.get("rope_theta"))
-    if theta is None:
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ConfigError(
+            f"{path}: per-layer-type 'rope_parameters' ({', '.join(params)}) are not supported"
+        )
+    merged = {**(cfg.get("rope_scaling") or {}), **params}
+    where = "rope_parameters" if params else "rope_scaling"
+    if "rope_theta" in merged:
+        theta = _float(merged, "rope_theta", path, label=f"{where}.rope_theta")
+    elif cfg.get("rope_theta") is not None:
+        theta = _float(cfg, "rope_theta", path)
+    else:
         raise ConfigError(f"{path}: missing field 'rope_theta' (top level or in 'rope_parameters')")
+    if theta <= 1.0:
+        raise ConfigError(f"{path}: rope_theta must be > 1, got {theta}")
+    prf = merged.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if prf is not None and prf != 1:
+        raise ConfigError(f"{path}: partial_rotary_factor {prf} is not supported (only 1.0)")
     kind = merged.get("rope_type", merged.get("type", "default")) or "default"
     if kind not in ("default", "llama3", "yarn"):
-        raise ConfigError(f"{path}: unsupported RoPE type '{kind}' (supported: default, llama3, yarn)")
-    rope = RopeConfig(theta=float(theta), kind=kind)
-    if kind != "default":
-        rope.factor = float(merged.get("factor", 1.0))
-        orig = merged.get("original_max_position_embeddings")
-        rope.original_max_position_embeddings = int(orig) if orig is not None else None
+        raise ConfigError(f"{path}: unsupported RoPE type {kind!r} in '{where}' (supported: default, llama3, yarn)")
+    rope = RopeConfig(theta=theta, kind=kind)
+    if kind == "default":
+        return rope
+    rope.factor = _float(merged, "factor", path, label=f"{where}.factor")
+    rope.original_max_position_embeddings = _int(
+        merged, "original_max_position_embeddings", path, default=None, label=f"{where}.original_max_position_embeddings"
+    )
     if kind == "llama3":
-        rope.low_freq_factor = float(merged.get("low_freq_factor", 1.0))
-        rope.high_freq_factor = float(merged.get("high_freq_factor", 4.0))
+        rope.low_freq_factor = _float(merged, "low_freq_factor", path, 1.0, label=f"{where}.low_freq_factor")
+        rope.high_freq_factor = _float(merged, "high_freq_factor", path, 4.0, label=f"{where}.high_freq_factor")
+        if rope.high_freq_factor <= rope.low_freq_factor:
+            raise ConfigError(
+                f"{path}: llama3 RoPE needs high_freq_factor > low_freq_factor, got "
+                f"{rope.high_freq_factor} and {rope.low_freq_factor}"
+            )
         if rope.original_max_position_embeddings is None:
-            raise ConfigError(f"{path}: llama3 RoPE needs 'original_max_position_embeddings'")
+            raise ConfigError(f"{path}: llama3 RoPE needs '{where}.original_max_position_embeddings'")
     if kind == "yarn":
-        rope.beta_fast = float(merged.get("beta_fast") or 32.0)
-        rope.beta_slow = float(merged.get("beta_slow") or 1.0)
+        # `or`: null and 0 mean "the default", as in the reference implementation.
+        rope.beta_fast = float(_float(merged, "beta_fast", path, None, label=f"{where}.beta_fast") or 32.0)
+        rope.beta_slow = float(_float(merged, "beta_slow", path, None, label=f"{where}.beta_slow") or 1.0)
         for key in ("attention_factor", "mscale", "mscale_all_dim"):
-            if merged.get(key) is not None:
-                setattr(rope, key, float(merged[key]))
+            setattr(rope, key, _float(merged, key, path, None, positive=False, label=f"{where}.{key}"))
         rope.truncate = bool(merged.get("truncate", True))
         if rope.original_max_position_embeddings is None:
-            rope.original_max_position_embeddings = int(cfg.get("max_position_embeddings", 0)) or None
+            rope.original_max_position_embeddings = _int(cfg, "max_position_embeddings", path, default=None)
+        if rope.original_max_position_embeddings is None:
+            raise ConfigError(
+                f"{path}: yarn RoPE needs '{where}.original_max_position_embeddings' or 'max_position_embeddings'"
+            )
     return rope
 
 
@@ -141,15 +202,35 @@ def _eos_ids(model_dir: Path, cfg: dict) -> list[int]:
     gen = model_dir / "generation_config.json"
     if gen.is_file():
         try:
-            sources.append(json.loads(gen.read_text()))
-        except json.JSONDecodeError:
-            pass
+            gen_cfg = json.loads(gen.read_text(encoding="utf-8"))
+            if isinstance(gen_cfg, dict):
+                sources.append(gen_cfg)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            pass  # generation_config.json is optional: a broken one only loses its extra stop ids
     for src in sources:
         eos = src.get("eos_token_id")
         for i in eos if isinstance(eos, list) else [eos]:
-            if isinstance(i, int) and i not in ids:
+            if isinstance(i, int) and not isinstance(i, bool) and i not in ids:
                 ids.append(i)
     return ids
+
+
+def _check_mlp(cfg: dict, path: str) -> None:
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ConfigError(f"{path}: hidden_act {act!r} is not supported (only silu / SwiGLU)")
+    if cfg.get("mlp_bias"):
+        raise ConfigError(f"{path}: mlp_bias: true is not supported")
+
+
+def _head_dim(cfg: dict, path: str, hidden: int, heads: int) -> int:
+    if cfg.get("head_dim") is not None:
+        return _int(cfg, "head_dim", path)
+    if hidden % heads:
+        raise ConfigError(
+            f"{path}: no 'head_dim' and hidden_size {hidden} is not a multiple of num_attention_heads {heads}"
+        )
+    return hidden // heads
 
 
 def load_target_config(model_dir: str | Path) -> TargetConfig:
@@ -157,32 +238,37 @@ def load_target_config(model_dir: str | Path) -> TargetConfig:
     cfg = read_config_json(model_dir)
     path = str(model_dir / "config.json")
     archs = cfg.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
     arch = next((TARGET_ARCHITECTURES[a] for a in archs if a in TARGET_ARCHITECTURES), None)
     if arch is None:
+        found = archs or cfg.get("model_type") or "none given"
+        hint = " (that is a drafter; pass it as the drafter)" if any(a in DRAFT_ARCHITECTURES for a in archs) else ""
         raise ConfigError(
-            f"{path}: unknown target architecture {archs or cfg.get('model_type')!r} "
-            f"(supported: {', '.join(TARGET_ARCHITECTURES)})"
+            f"{path}: unknown target architecture {found!r}{hint} (supported: {', '.join(TARGET_ARCHITECTURES)})"
         )
-    hidden = _need(cfg, "hidden_size", path)
-    heads = _need(cfg, "num_attention_heads", path)
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    if arch == "qwen2" and cfg.get("use_sliding_window"):
-        raise ConfigError(f"{path}: Qwen2 sliding-window attention (use_sliding_window: true) is not supported")
+    hidden = _int(cfg, "hidden_size", path)
+    heads = _int(cfg, "num_attention_heads", path)
+    if arch in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+        raise ConfigError(f"{path}: sliding-window attention (use_sliding_window: true) is not supported")
+    _check_mlp(cfg, path)
     tc = TargetConfig(
         path=str(model_dir),
         arch=arch,
-        vocab_size=_need(cfg, "vocab_size", path),
+        vocab_size=_int(cfg, "vocab_size", path),
         hidden_size=hidden,
-        num_layers=_need(cfg, "num_hidden_layers", path),
+        num_layers=_int(cfg, "num_hidden_layers", path),
         num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
-        intermediate_size=_need(cfg, "intermediate_size", path),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        num_kv_heads=_int(cfg, "num_key_value_heads", path, default=heads),
+        head_dim=_head_dim(cfg, path, hidden, heads),
+        intermediate_size=_int(cfg, "intermediate_size", path),
+        rms_norm_eps=_float(cfg, "rms_norm_eps", path, 1e-6),
         rope=parse_rope(cfg, path),
-        max_position_embeddings=_need(cfg, "max_position_embeddings", path),
+        max_position_embeddings=_int(cfg, "max_position_embeddings", path),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+        # Qwen2 always has q/k/v biases (its HF config has no switch); Qwen3 and Llama follow attention_bias.
+        attention_bias=True if arch == "qwen2" else bool(cfg.get("attention_bias", False)),
+        o_proj_bias=arch != "qwen2" and bool(cfg.get("attention_bias", False)),
         qk_norm=arch == "qwen3",
         eos_token_ids=_eos_ids(model_dir, cfg),
     )
@@ -207,64 +293,89 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
+def _one_of(dcfg: dict, cfg: dict, key: str) -> Any:
+    """`dflash_config.<key>`, else top-level `<key>`: the nested value overrides (DFlash2 exports carry both)."""
+    nested = dcfg.get(key)
+    return nested if nested is not None else cfg.get(key)
+
+
 def load_draft_config(model_dir: str | Path) -> DraftConfig:
     model_dir = Path(model_dir)
     cfg = read_config_json(model_dir)
     path = str(model_dir / "config.json")
     archs = cfg.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
     kind = next((DRAFT_ARCHITECTURES[a] for a in archs if a in DRAFT_ARCHITECTURES), None)
     if kind is None:
+        hint = " (that is a target model, not a drafter)" if any(a in TARGET_ARCHITECTURES for a in archs) else ""
         raise ConfigError(
-            f"{path}: unknown drafter architecture {archs!r} (supported: {', '.join(DRAFT_ARCHITECTURES)})"
+            f"{path}: unknown drafter architecture {archs or 'none given'!r}{hint} "
+            f"(supported: {', '.join(DRAFT_ARCHITECTURES)})"
         )
     dcfg = cfg.get("dflash_config") or {}
-    hidden = _need(cfg, "hidden_size", path)
-    heads = _need(cfg, "num_attention_heads", path)
-    num_layers = _need(cfg, "num_hidden_layers", path)
-    block_size = dcfg.get("block_size", cfg.get("block_size"))
+    if not isinstance(dcfg, dict):
+        raise ConfigError(f"{path}: field 'dflash_config' should be an object, got {dcfg!r}")
+    hidden = _int(cfg, "hidden_size", path)
+    heads = _int(cfg, "num_attention_heads", path)
+    num_layers = _int(cfg, "num_hidden_layers", path)
+    _check_mlp(cfg, path)
+
+    block_size = _int({"block_size": _one_of(dcfg, cfg, "block_size")}, "block_size", path,
+                      default=None, label="block_size")
     if block_size is None:
         raise ConfigError(f"{path}: missing field 'block_size' (top level or in 'dflash_config')")
-    layer_ids = dcfg.get("target_layer_ids", cfg.get("target_layer_ids"))
+
+    num_target_layers = _int(cfg, "num_target_layers", path, default=None)
+    layer_ids = _one_of(dcfg, cfg, "target_layer_ids")
     if layer_ids is None:
-        if "num_target_layers" not in cfg:
+        if num_target_layers is None:
             raise ConfigError(f"{path}: missing 'dflash_config.target_layer_ids' (and no 'num_target_layers')")
-        layer_ids = default_target_layer_ids(int(cfg["num_target_layers"]), num_layers)
-    mask = dcfg.get("mask_token_id", cfg.get("mask_token_id"))
+        layer_ids = default_target_layer_ids(num_target_layers, num_layers)
+    if (not isinstance(layer_ids, list) or not layer_ids
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in layer_ids)):
+        raise ConfigError(f"{path}: 'dflash_config.target_layer_ids' should be a non-empty list of integers, got {layer_ids!r}")
+
+    mask = _one_of(dcfg, cfg, "mask_token_id")
     if mask is None:
         raise ConfigError(f"{path}: missing field 'dflash_config.mask_token_id'")
+    mask = _int({"m": mask}, "m", path, minimum=0, label="dflash_config.mask_token_id")
+
     layer_types = cfg.get("layer_types") or ["full_attention"] * num_layers
-    if len(layer_types) != num_layers:
-        raise ConfigError(f"{path}: 'layer_types' has {len(layer_types)} entries, expected {num_layers}")
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+        n = len(layer_types) if isinstance(layer_types, list) else layer_types
+        raise ConfigError(f"{path}: 'layer_types' has {n} entries, expected {num_layers} (num_hidden_layers)")
     windows = []
     for t in layer_types:
         if t == "full_attention":
             windows.append(0)
         elif t == "sliding_attention":
-            windows.append(_need(cfg, "sliding_window", path))
+            windows.append(_int(cfg, "sliding_window", path))
         else:
-            raise ConfigError(f"{path}: unknown layer type '{t}' in 'layer_types'")
+            raise ConfigError(
+                f"{path}: unknown layer type {t!r} in 'layer_types' (expected full_attention or sliding_attention)"
+            )
     dc = DraftConfig(
         path=str(model_dir),
         kind=kind,
         hidden_size=hidden,
         num_layers=num_layers,
         num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-        intermediate_size=_need(cfg, "intermediate_size", path),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        num_kv_heads=_int(cfg, "num_key_value_heads", path, default=heads),
+        head_dim=_head_dim(cfg, path, hidden, heads),
+        intermediate_size=_int(cfg, "intermediate_size", path),
+        rms_norm_eps=_float(cfg, "rms_norm_eps", path, 1e-6),
         rope=parse_rope(cfg, path),
-        max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
+        max_position_embeddings=_int(cfg, "max_position_embeddings", path, default=0),
         attention_bias=bool(cfg.get("attention_bias", False)),
-        block_size=int(block_size),
-        target_layer_ids=[int(i) for i in layer_ids],
-        mask_token_id=int(mask),
-        vocab_size=int(cfg["vocab_size"]) if cfg.get("vocab_size") is not None else None,
+        block_size=block_size,
+        target_layer_ids=list(layer_ids),
+        mask_token_id=mask,
+        vocab_size=_int(cfg, "vocab_size", path, default=None),
         layer_windows=windows,
+        num_target_layers=num_target_layers,
     )
     _check_heads(dc, path)
-    if dc.block_size < 1:
-        raise ConfigError(f"{path}: block_size must be >= 1, got {dc.block_size}")
     return dc
 
 
@@ -275,12 +386,19 @@ def validate_pair(target: TargetConfig, draft: DraftConfig) -> None:
         raise ConfigError(f"{where}: drafter hidden_size {draft.hidden_size} != target hidden_size {target.hidden_size}")
     if draft.vocab_size is not None and draft.vocab_size != target.vocab_size:
         raise ConfigError(f"{where}: drafter vocab_size {draft.vocab_size} != target vocab_size {target.vocab_size}")
+    if draft.num_target_layers is not None and draft.num_target_layers != target.num_layers:
+        raise ConfigError(
+            f"{where}: drafter num_target_layers {draft.num_target_layers} != target num_hidden_layers "
+            f"{target.num_layers} (drafter trained for a different target)"
+        )
     for i in draft.target_layer_ids:
         if not 0 <= i < target.num_layers:
             raise ConfigError(
-                f"{where}: target_layer_ids entry {i} outside the target's {target.num_layers} layers (0..{target.num_layers - 1})"
+                f"{where}: drafter target_layer_ids entry {i} outside the target's {target.num_layers} layers "
+                f"(0..{target.num_layers - 1})"
             )
     if not 0 <= draft.mask_token_id < target.vocab_size:
         raise ConfigError(
-            f"{where}: mask_token_id {draft.mask_token_id} outside the target vocabulary (vocab_size {target.vocab_size})"
+            f"{where}: drafter mask_token_id {draft.mask_token_id} outside the target vocabulary "
+            f"(vocab_size {target.vocab_size})"
         )

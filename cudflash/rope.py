@@ -19,6 +19,8 @@ def inv_freq_and_scale(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, flo
     inv_freq = (np.float32(1.0) / pos_freqs).astype(np.float32)
     if rope.kind == "default":
         return inv_freq, 1.0
+    if rope.kind in ("llama3", "yarn") and not rope.original_max_position_embeddings:
+        raise ValueError(f"{rope.kind} RoPE needs original_max_position_embeddings (parse_rope fills it)")
     if rope.kind == "llama3":
         old_len = rope.original_max_position_embeddings
         low_wavelen = old_len / rope.low_freq_factor

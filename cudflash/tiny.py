@@ -12,7 +12,12 @@ from pathlib import Path
 
 import numpy as np
 
-_SAFETENSORS_DTYPE = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}
+_SAFETENSORS_DTYPE = {
+    np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
+    # integer tensors (dtype='native'), e.g. to test that a float weight stored as I32 is refused
+    np.dtype(np.int64): "I64", np.dtype(np.int32): "I32", np.dtype(np.int8): "I8", np.dtype(np.uint8): "U8",
+    np.dtype(np.bool_): "BOOL",
+}
 
 
 def float32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -71,6 +76,7 @@ class TinyShape:
     mask_token_id: int = 1
     eos_token_id: int = 0
     rope_scaling: dict | None = None
+    attention_bias: bool = False  # Llama / Qwen3: q/k/v/o biases (Qwen2 always has q/k/v biases)
     std: float = 0.08  # large enough that random models are not near-uniform (fewer near-ties)
 
 
@@ -94,7 +100,7 @@ def target_tensors(s: TinyShape, rng: np.random.Generator) -> dict[str, np.ndarr
         t[a + "q_proj.weight"] = _normal(rng, (s.num_heads * D, H), s.std)
         t[a + "k_proj.weight"] = _normal(rng, (s.num_kv_heads * D, H), s.std)
         t[a + "v_proj.weight"] = _normal(rng, (s.num_kv_heads * D, H), s.std)
-        if s.arch == "qwen2":
+        if s.arch == "qwen2" or s.attention_bias:
             t[a + "q_proj.bias"] = _normal(rng, (s.num_heads * D,), s.std)
             t[a + "k_proj.bias"] = _normal(rng, (s.num_kv_heads * D,), s.std)
             t[a + "v_proj.bias"] = _normal(rng, (s.num_kv_heads * D,), s.std)
@@ -102,6 +108,8 @@ def target_tensors(s: TinyShape, rng: np.random.Generator) -> dict[str, np.ndarr
             t[a + "q_norm.weight"] = _norm_weight(rng, D)
             t[a + "k_norm.weight"] = _norm_weight(rng, D)
         t[a + "o_proj.weight"] = _normal(rng, (H, s.num_heads * D), s.std)
+        if s.attention_bias and s.arch != "qwen2":
+            t[a + "o_proj.bias"] = _normal(rng, (H,), s.std)
         t[p + "post_attention_layernorm.weight"] = _norm_weight(rng, H)
         t[p + "mlp.gate_proj.weight"] = _normal(rng, (I, H), s.std)
         t[p + "mlp.up_proj.weight"] = _normal(rng, (I, H), s.std)
@@ -119,7 +127,7 @@ def target_config(s: TinyShape) -> dict:
         "num_key_value_heads": s.num_kv_heads, "head_dim": s.head_dim, "intermediate_size": s.intermediate_size,
         "rms_norm_eps": 1e-6, "max_position_embeddings": s.max_position_embeddings,
         "tie_word_embeddings": s.tie_word_embeddings, "eos_token_id": s.eos_token_id, "bos_token_id": s.eos_token_id,
-        "hidden_act": "silu", "torch_dtype": "bfloat16",
+        "hidden_act": "silu", "torch_dtype": "bfloat16", "attention_bias": s.attention_bias or s.arch == "qwen2",
     }
     if s.arch == "qwen3":
         cfg["rope_parameters"] = {"rope_theta": 1000000.0, "rope_type": "default"}  # the newer spelling

@@ -29,6 +29,7 @@ class DraftLayer:
     q_norm: Any  # [D]
     k_norm: Any  # [D]
     o_proj: Any  # [H, Hq * D]
+    o_bias: Any | None  # [H]
     post_norm: Any  # [H]
     gate_up: Any  # [2 I, H]
     down: Any  # [H, I]
@@ -57,6 +58,7 @@ class DFlashDraftModel:
                 q_norm=loader.get(attn + "q_norm.weight", (D,)),
                 k_norm=loader.get(attn + "k_norm.weight", (D,)),
                 o_proj=loader.get(attn + "o_proj.weight", (H, q_dim)),
+                o_bias=loader.get(attn + "o_proj.bias", (H,)) if cfg.attention_bias else None,
                 post_norm=loader.get(p + "post_attention_layernorm.weight", (H,)),
                 gate_up=loader.fused([(p + "mlp.gate_proj.weight", (I, H)), (p + "mlp.up_proj.weight", (I, H))]),
                 down=loader.get(p + "mlp.down_proj.weight", (H, I)),
@@ -105,7 +107,7 @@ class DFlashDraftModel:
             self._store(i, b.linear(hidden, *self._layer_kv(i)), batch.positions, batch.slots, kv)
             attn = b.attention(q, kv.k[i], kv.v[i], batch.meta, self.scale, causal=False,
                                window=cfg.layer_windows[i])
-            hidden = b.linear(attn, layer.o_proj)
+            hidden = b.linear(attn, layer.o_proj, layer.o_bias)
             hidden, residual = b.add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
             hidden = b.linear(b.silu_mul(b.linear(hidden, layer.gate_up)), layer.down)
         hidden, _ = b.add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)

@@ -23,6 +23,7 @@ class TargetLayer:
     q_norm: Any | None  # [D] (Qwen3)
     k_norm: Any | None  # [D]
     o_proj: Any  # [H, Hq * D]
+    o_bias: Any | None  # [H]
     post_norm: Any  # [H]
     gate_up: Any  # [2 I, H]
     down: Any  # [H, I]
@@ -50,6 +51,7 @@ class TargetModel:
                 q_norm=loader.get(attn + "q_norm.weight", (D,)) if cfg.qk_norm else None,
                 k_norm=loader.get(attn + "k_norm.weight", (D,)) if cfg.qk_norm else None,
                 o_proj=loader.get(attn + "o_proj.weight", (H, q_dim)),
+                o_bias=loader.get(attn + "o_proj.bias", (H,)) if cfg.o_proj_bias else None,
                 post_norm=loader.get(p + "post_attention_layernorm.weight", (H,)),
                 gate_up=loader.fused([(p + "mlp.gate_proj.weight", (I, H)), (p + "mlp.up_proj.weight", (I, H))]),
                 down=loader.get(p + "mlp.down_proj.weight", (H, I)),
@@ -85,7 +87,7 @@ class TargetModel:
                                  self.rope_sin, layer.k_norm, cfg.rms_norm_eps)
             b.store_kv(k, qkv[:, q_dim + kv_dim:], kv.k[i], kv.v[i], batch.slots)
             attn = b.attention(q, kv.k[i], kv.v[i], batch.meta, self.scale, causal=True)
-            hidden = b.linear(attn, layer.o_proj)
+            hidden = b.linear(attn, layer.o_proj, layer.o_bias)
             hidden, residual = b.add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
             hidden = b.linear(b.silu_mul(b.linear(hidden, layer.gate_up)), layer.down)
             if tap_layers and i in tap_layers:
