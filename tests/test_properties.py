@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from cudflash import LLM, SamplingParams
+from cudflash.engine.spec_decode import Proposal
 from cudflash.tiny import TinyShape, write_random_pair
 
 SHAPES = {
@@ -19,8 +20,9 @@ SHAPES = {
     "llama-d64-gqa8-llama3": TinyShape(arch="llama", num_heads=8, num_kv_heads=1, head_dim=64, shards=3, dtype="F16",
                                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
-    # yarn RoPE, float32 storage, a drafter with its own head layout
-    "llama-yarn-f32": TinyShape(arch="llama", num_heads=4, num_kv_heads=2, head_dim=32, dtype="F32",
+    # yarn RoPE, float32 storage, q/k/v/o biases, a drafter with its own head layout
+    "llama-yarn-f32-bias": TinyShape(arch="llama", num_heads=4, num_kv_heads=2, head_dim=32, dtype="F32",
+                                     attention_bias=True,
                                 draft_heads=2, draft_kv_heads=1, draft_head_dim=64,
                                 rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                               "original_max_position_embeddings": 128}),
@@ -91,7 +93,7 @@ def _scripted_proposer(reference, vocab: int, adversarial: bool, correct_prefix=
             k = 0 if adversarial else block - 1 if correct_prefix is None else correct_prefix(len(s.acceptance_lengths))
             d[k:] = (d[k:] + 1) % vocab
             drafts.append(d)
-        return np.stack(drafts)
+        return Proposal(np.stack(drafts))
     return propose
 
 

@@ -1,21 +1,18 @@
-"""The public entry point: `LLM(target, draft=...)` and `generate`.
-
-Requests are admitted while the KV pool can hold their worst case (prompt + max_tokens + one block of
-lookahead), so a running sequence never runs out of blocks; finished sequences free theirs at once and
-waiting ones are admitted in the next step.
+"""The public entry point: `LLM(target, draft=...)`, with `generate`, `stream`, and the step-level API
+(`add_request`, `step`, `abort`) that both are built on.
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence as Seq
+from typing import Iterator, Sequence as Seq
 
 from cudflash.backends import get_backend
 from cudflash.config import load_draft_config, load_target_config, validate_pair
 from cudflash.engine.model_runner import ModelRunner
+from cudflash.engine.scheduler import Scheduler
 from cudflash.engine.sequence import Sequence, SequenceStatus
-from cudflash.engine.spec_decode import Proposer, decode_step, dflash_propose, prefill, spec_step
+from cudflash.engine.spec_decode import Proposer, dflash_propose, engine_step
 from cudflash.errors import ConfigError, RequestError
 from cudflash.sampling_params import SamplingParams
 from cudflash.tokenizer import load_tokenizer
@@ -26,7 +23,7 @@ class GenerationResult:
     prompt_ids: list[int]
     token_ids: list[int]  # new tokens only
     text: str | None
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "abort"
     acceptance_lengths: list[int] = field(default_factory=list)  # per step: accepted drafts + 1
 
     @property
@@ -34,10 +31,22 @@ class GenerationResult:
         return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
 
 
+@dataclass(slots=True)
+class RequestOutput:
+    """What one engine step produced for one request."""
+
+    request_id: int
+    new_token_ids: list[int]
+    new_text: str | None
+    finished: bool
+    finish_reason: str | None
+
+
 class LLM:
     def __init__(self, target: str | Path, draft: str | Path | None = None, backend: str = "auto", *,
-                 block_size: int | None = None, max_num_seqs: int = 64, kv_block_size: int = 16,
-                 num_kv_blocks: int | None = None, memory_utilization: float = 0.9, progress: bool = False):
+                 block_size: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 8192,
+                 kv_block_size: int = 16, num_kv_blocks: int | None = None, memory_utilization: float = 0.9,
+                 enable_prefix_caching: bool = True, progress: bool = False):
         self.target_cfg = load_target_config(target)
         self.draft_cfg = load_draft_config(draft) if draft is not None else None
         if self.draft_cfg is not None:
@@ -46,17 +55,21 @@ class LLM:
             raise ConfigError(f"block size must be >= 1, got {block_size}")
         if block_size is not None and block_size > 1 and self.draft_cfg is None:
             raise ConfigError(f"block size {block_size} needs a drafter (--draft)")
-        default_block = self.draft_cfg.block_size if self.draft_cfg else 1
-        self.block_size = block_size or default_block  # 1 = plain autoregressive decoding
+        self.block_size = block_size or (self.draft_cfg.block_size if self.draft_cfg else 1)  # 1 = autoregressive
+        if max_num_batched_tokens < max_num_seqs * self.block_size:
+            raise ConfigError(f"max_num_batched_tokens {max_num_batched_tokens} cannot hold {max_num_seqs} "
+                              f"sequences of block {self.block_size}")
         self.backend = get_backend(backend)
-        self.max_num_seqs = max_num_seqs
         self.runner = ModelRunner(self.target_cfg, self.draft_cfg, self.backend, max_block_size=self.block_size,
                                   kv_block_size=kv_block_size, num_kv_blocks=num_kv_blocks,
                                   max_num_seqs=max_num_seqs, memory_utilization=memory_utilization,
                                   progress=progress)
+        self.runner.blocks.enable_prefix_caching = enable_prefix_caching
+        self.scheduler = Scheduler(self.runner.blocks, self.block_size, max_num_seqs, max_num_batched_tokens)
         self.tokenizer = load_tokenizer(target)
         self.eos_token_ids = set(self.target_cfg.eos_token_ids)
         self.proposer: Proposer = dflash_propose  # replaceable, e.g. by an oracle in tests
+        self.requests: dict[int, Sequence] = {}
         self._next_id = 0
 
     @property
@@ -82,7 +95,9 @@ class LLM:
             raise RequestError(f"prompt token id {bad} outside the vocabulary (0..{vocab - 1})")
         return ids
 
-    def _make_sequence(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
+        """Queue a request; it runs in the next steps alongside the others. Returns its request id."""
+        params = params or SamplingParams()
         ids = self._prompt_ids(prompt)
         limit = self.target_cfg.max_position_embeddings
         if len(ids) + params.max_tokens > limit:
@@ -90,16 +105,89 @@ class LLM:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
                 f"max_position_embeddings ({limit})"
             )
-        if self.runner.blocks.blocks_for(self._worst_case(len(ids), params)) > self.runner.blocks.num_blocks:
-            raise RequestError(f"request of {len(ids)} + {params.max_tokens} tokens can never fit the KV pool")
+        worst = len(ids) + params.max_tokens + self.block_size + 1
+        if self.runner.blocks.blocks_for(worst) > self.runner.blocks.num_blocks:
+            raise RequestError(f"request of {len(ids)} + {params.max_tokens} tokens can never fit the KV pool "
+                               f"({self.runner.blocks.num_blocks} blocks of {self.runner.blocks.block_size})")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer (tokenizer.json and `pip install tokenizers`)")
         seq = Sequence(self._next_id, ids, params)
         self._next_id += 1
-        return seq
+        self.requests[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq.seq_id
 
-    def _worst_case(self, prompt_len: int, params: SamplingParams) -> int:
-        return prompt_len + params.max_tokens + self.block_size + 1
+    def abort(self, request_id: int) -> None:
+        seq = self.requests.get(request_id)
+        if seq is not None and not seq.finished:
+            self.scheduler.remove(seq)
+            self._finish(seq, "abort")
 
-    # ---- generation
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- stepping
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        while plan.empty and self.scheduler.running:
+            # Every running sequence is stuck prefilling on a full pool: free the youngest for the others.
+            self.scheduler._preempt(self.scheduler.running[-1], plan)
+            plan = self.scheduler.schedule()
+        if plan.empty:
+            return []
+        touched = [s for s, _ in plan.prefills] + plan.decodes
+        before = {s.seq_id: len(s.output_ids) for s in touched}
+        engine_step(self.runner, plan, self.block_size, self.proposer)
+        outputs = []
+        for s in touched:
+            n = before[s.seq_id]
+            if len(s.output_ids) == n:
+                continue  # a prefill chunk that emitted nothing yet
+            text_before = s.text
+            self._check_finished(s, n)
+            outputs.append(RequestOutput(s.seq_id, s.output_ids[n:], s.text[len(text_before):]
+                                         if self.tokenizer else None, s.finished, s.finish_reason))
+            if s.finished:
+                self.scheduler.remove(s)
+        return outputs
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+
+    def _check_finished(self, seq: Sequence, first_new: int) -> None:
+        p = seq.params
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+        for j in range(first_new, len(seq.output_ids)):
+            if seq.output_ids[j] in stops and j < p.max_tokens:
+                del seq.output_ids[j + 1:]
+                self._finish(seq, "stop")
+                break
+        else:
+            # The speculative loop keeps stepping until max_tokens tokens are in the KV cache (the pending
+            # token does not count), exactly as the z-lab reference does, so tau matches published figures.
+            if len(seq.output_ids) >= p.max_tokens + (1 if self.speculative else 0):
+                del seq.output_ids[p.max_tokens:]
+                self._finish(seq, "length")
+        if self.tokenizer is not None:
+            self._detokenize(seq, first_new)
+
+    def _detokenize(self, seq: Sequence, first_new: int) -> None:
+        text = self.tokenizer.decode(seq.output_ids)
+        for stop in seq.params.stop:
+            at = text.find(stop, max(0, len(seq.text) - len(stop)))
+            if at != -1:
+                # Keep the fewest tokens whose text reaches the stop string; the stop string is not output.
+                m = next(m for m in range(first_new + 1, len(seq.output_ids) + 1)
+                         if stop in self.tokenizer.decode(seq.output_ids[:m]))
+                del seq.output_ids[m:]
+                text = text[:at]
+                self._finish(seq, "stop")
+                break
+        if not seq.finished:
+            text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for its remaining bytes
+        seq.text = text
+
+    # ---- convenience
     def generate(self, prompts: Seq[str | list[int]] | str,
                  params: SamplingParams | Seq[SamplingParams] | None = None) -> list[GenerationResult]:
         if isinstance(prompts, str):
@@ -108,57 +196,24 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise RequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        seqs = [self._make_sequence(p, sp) for p, sp in zip(prompts, params)]
-        self._run(seqs)
-        return [self._result(s) for s in seqs]
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while any(not self.requests[i].finished for i in ids):
+            self.step()
+        return [self.result(i) for i in ids]
 
-    def _run(self, seqs: list[Sequence]) -> None:
-        waiting, running = deque(seqs), []
-        committed = 0  # blocks promised to running sequences' worst cases
-        while waiting or running:
-            admitted = []
-            while waiting and len(running) + len(admitted) < self.max_num_seqs:
-                need = self.runner.blocks.blocks_for(self._worst_case(len(waiting[0].prompt_ids), waiting[0].params))
-                if committed + need > self.runner.blocks.num_blocks:
-                    break
-                committed += need
-                admitted.append(waiting.popleft())
-            if admitted:
-                prefill(self.runner, admitted)
-                for s in admitted:
-                    s.status = SequenceStatus.RUNNING
-                    self._check_finished(s, len(s.output_ids) - 1)
-                running += admitted
-            active = [s for s in running if not s.finished]
-            if active:
-                before = [len(s.output_ids) for s in active]
-                if self.speculative:
-                    spec_step(self.runner, active, self.block_size, self.proposer)
-                else:
-                    decode_step(self.runner, active)
-                for s, n in zip(active, before):
-                    self._check_finished(s, n)
-            for s in [s for s in running if s.finished]:
-                self.runner.blocks.free(s)
-                committed -= self.runner.blocks.blocks_for(self._worst_case(len(s.prompt_ids), s.params))
-                running.remove(s)
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield each step's new tokens (and text delta) for one request; closing the iterator aborts it."""
+        request_id = self.add_request(prompt, params)
+        try:
+            while not self.requests[request_id].finished:
+                for out in self.step():
+                    if out.request_id == request_id:
+                        yield out
+        finally:
+            self.abort(request_id)
 
-    def _check_finished(self, seq: Sequence, first_new: int) -> None:
-        p = seq.params
-        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
-        for j in range(first_new, len(seq.output_ids)):
-            if seq.output_ids[j] in stops and j < p.max_tokens:
-                del seq.output_ids[j + 1:]
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "stop"
-                return
-        # The speculative loop keeps stepping until max_tokens tokens are in the KV cache (the pending bonus
-        # token does not count), exactly as the z-lab reference does, so tau matches its published figures.
-        limit = p.max_tokens + (1 if self.speculative else 0)
-        if len(seq.output_ids) >= limit:
-            del seq.output_ids[p.max_tokens:]
-            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
-
-    def _result(self, seq: Sequence) -> GenerationResult:
-        text = self.tokenizer.decode(seq.output_ids) if self.tokenizer is not None else None
+    def result(self, request_id: int) -> GenerationResult:
+        seq = self.requests.pop(request_id)
+        text = seq.text if self.tokenizer is not None else None
         return GenerationResult(seq.prompt_ids, list(seq.output_ids), text, seq.finish_reason or "length",
                                 list(seq.acceptance_lengths))

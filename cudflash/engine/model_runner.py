@@ -90,8 +90,8 @@ class ModelRunner:
                             b.asarray(slots, "i32"), b.prepare_meta(meta))
 
     # ---- model calls
-    def target_forward(self, batch: ForwardBatch) -> tuple[Any, Any | None]:
-        return self.target.forward(batch, self.target_kv, self.tap_layers or None)
+    def target_forward(self, batch: ForwardBatch, with_taps: bool = True) -> tuple[Any, Any | None]:
+        return self.target.forward(batch, self.target_kv, self.tap_layers if with_taps and self.tap_layers else None)
 
     def draft_context(self, taps: Any, batch: ForwardBatch, rows: np.ndarray | None = None) -> None:
         """Feed the taps of the batch rows `rows` (newly committed tokens; all rows if None) to the drafter."""

@@ -1,18 +1,31 @@
-"""Token choice from target logits: greedy argmax on the device, or temperature / top-k / top-p sampling.
+"""Token choice at verification: greedy acceptance, or speculative rejection sampling (lossless).
 
-Speculative acceptance with an argmax drafter is the one-hot case of rejection sampling: drawing the target's
-token x_j ~ p_j at every block slot and accepting draft d_{j+1} while d_{j+1} == x_j accepts d with
-probability p(d) and, on rejection, leaves x_j distributed as the residual p restricted to tokens != d.
-So the emitted stream is distributed exactly as plain sampling from the target.
+For each sequence the target has scored its pending token and k drafts (k + 1 logits rows). Greedy: accept
+the longest prefix of drafts equal to the target's argmax, then emit the argmax after it. Sampling (standard
+speculative sampling): accept draft d_j with probability min(1, p_j(d_j) / q_j(d_j)); on the first rejection
+emit a token from the residual max(p_j - q_j, 0) and stop; if all k are accepted emit a bonus token from
+p_k. With an argmax drafter q_j is one-hot and the rule reduces to "accept with probability p_j(d_j), else
+sample from p_j without d_j". Either way every emitted token is distributed exactly as the target's own
+(temperature, top-k and top-p applied to p before acceptance).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from cudflash.backends.base import Backend
+from cudflash.engine.sequence import Sequence
 from cudflash.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class VerifyGroup:
+    seq: Sequence
+    first_row: int  # this sequence's rows in the logits: first_row .. first_row + len(drafts)
+    drafts: np.ndarray  # int64 [k]
+    q: np.ndarray | None = None  # float [k, V] draft distributions; None = one-hot on the drafts (argmax drafter)
 
 
 def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -38,21 +51,51 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     return min(idx, probs.size - 1)
 
 
-def choose_tokens(backend: Backend, logits: Any, row_params: list[SamplingParams],
-                  row_rngs: list[np.random.Generator]) -> np.ndarray:
-    """One token per logits row: argmax on the device for greedy rows, host sampling for the rest."""
-    tokens = backend.to_numpy(backend.argmax(logits)).astype(np.int64)
-    sampled = [i for i, p in enumerate(row_params) if not p.greedy]
-    if sampled:
-        rows = backend.to_numpy(backend.take_rows(logits, backend.asarray(np.array(sampled), "i32")))
-        for r, i in enumerate(sampled):
-            tokens[i] = sample(target_probs(rows[r], row_params[i]), row_rngs[i])
-    return tokens
-
-
 def accepted_prefix(drafts: np.ndarray, targets: np.ndarray) -> int:
-    """Number of drafts d_1.. accepted: the longest prefix with drafts[j] == targets[j]."""
+    """Number of drafts accepted: the longest prefix with drafts[j] == targets[j]."""
     a = 0
     while a < len(drafts) and drafts[a] == targets[a]:
         a += 1
     return a
+
+
+def rejection_sample(rows: np.ndarray, drafts: np.ndarray, q: np.ndarray | None, params: SamplingParams,
+                     rng: np.random.Generator) -> list[int]:
+    out: list[int] = []
+    for j, d in enumerate(drafts):
+        p = target_probs(rows[j], params)
+        q_d = 1.0 if q is None else float(q[j][d])
+        if q_d > 0 and rng.random() * q_d < p[d]:
+            out.append(int(d))
+            continue
+        residual = p.copy()
+        if q is None:
+            residual[d] = 0.0
+        else:
+            residual = np.maximum(p - q[j], 0.0)
+        out.append(sample(residual if residual.sum() > 0 else p, rng))
+        return out
+    out.append(sample(target_probs(rows[len(drafts)], params), rng))
+    return out
+
+
+def verify_tokens(backend: Backend, logits: Any, groups: list[VerifyGroup]) -> list[list[int]]:
+    """The tokens each group emits: its accepted drafts and one target token."""
+    argmax = backend.to_numpy(backend.argmax(logits)) if any(g.seq.params.greedy for g in groups) else None
+    sampled = [g for g in groups if not g.seq.params.greedy]
+    host_rows: dict[int, np.ndarray] = {}
+    if sampled:
+        rows = np.concatenate([np.arange(g.first_row, g.first_row + len(g.drafts) + 1) for g in sampled])
+        values = backend.to_numpy(backend.take_rows(logits, backend.asarray(rows.astype(np.int32), "i32")))
+        host_rows = {int(r): values[i] for i, r in enumerate(rows)}
+    emitted = []
+    for g in groups:
+        k = len(g.drafts)
+        if g.seq.params.greedy:
+            targets = argmax[g.first_row:g.first_row + k + 1]
+            a = accepted_prefix(g.drafts, targets)
+            emitted.append([int(t) for t in g.drafts[:a]] + [int(targets[a])])
+        else:
+            rows = np.stack([host_rows[g.first_row + j] for j in range(k + 1)])
+            emitted.append(rejection_sample(rows, g.drafts, g.q, g.seq.params, g.seq.rng))
+    return emitted

@@ -18,14 +18,16 @@ class SequenceStatus(Enum):
 class Sequence:
     """One request. KV bookkeeping invariant (target and drafter caches share the block table):
 
-    | positions               | target KV            | drafter context K/V |
-    |-------------------------|----------------------|---------------------|
-    | 0 .. num_cached-1       | valid                | valid               |
-    | num_cached (= last tok) | not yet computed     | not yet computed    |
-    | beyond                  | scratch (lookahead)  | scratch (block K/V) |
+    | positions                | target KV           | drafter context K/V |
+    |--------------------------|---------------------|---------------------|
+    | 0 .. num_cached-1        | valid               | valid               |
+    | num_cached .. (pending)  | not yet computed    | not yet computed    |
+    | beyond the last token    | scratch (lookahead) | scratch (block K/V) |
 
-    After prefill and after every step, `num_cached == len(token_ids) - 1`: the last token (the target's
-    bonus / first sampled token) is pending; the next step feeds it at position num_cached.
+    While decoding, `num_cached == num_tokens - 1`: the last token (the target's bonus / first sampled token)
+    is pending and the next step feeds it at position num_cached. A sequence is prefilling while
+    `num_cached < prefill_end` (after a preemption it recomputes its whole history, sampling nothing).
+    Only blocks whose positions all lie below num_cached are ever hashed for prefix sharing.
     """
 
     seq_id: int
@@ -34,9 +36,11 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0
+    num_hashed_blocks: int = 0  # leading blocks of block_table registered in the prefix cache
     acceptance_lengths: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
+    text: str = ""  # detokenised output so far (when a tokenizer is present)
     rng: np.random.Generator = field(default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -56,5 +60,18 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def prefill_end(self) -> int:
+        """Positions that must hold KV before decoding: the prompt, or all but the pending token."""
+        return self.num_tokens - 1 if self.output_ids else len(self.prompt_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_cached < self.prefill_end
+
+    @property
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]

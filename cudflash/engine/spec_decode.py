@@ -1,83 +1,89 @@
-"""Prefill, the plain autoregressive step, and the DFlash speculative step (DESIGN.md, "The speculative step").
+"""One engine step: propose, then ONE target forward over every prefill chunk and every verify block, then
+acceptance, then the drafter's context update for every newly committed row (DESIGN.md, "The speculative
+step"). Plain autoregressive decoding is the same step with block size 1 and no drafts.
 
-Every function advances a batch of running sequences by one engine step and keeps the bookkeeping invariant
-of `Sequence`: afterwards `num_cached == num_tokens - 1` and the drafter context covers the same positions.
+Afterwards every sequence keeps the invariant of `Sequence`: positions below num_cached hold valid target KV
+and drafter context K/V; a decoding sequence has exactly one pending token.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from cudflash.engine.model_runner import ModelRunner
-from cudflash.engine.sampler import accepted_prefix, choose_tokens
+from cudflash.engine.sampler import VerifyGroup, verify_tokens
+from cudflash.engine.scheduler import StepPlan
 from cudflash.engine.sequence import Sequence
 from cudflash.models.batch import ForwardBatch
 
 
-def prefill(runner: ModelRunner, seqs: list[Sequence]) -> None:
-    """Whole prompts through the target (KV written, taps into the drafter's context); sample the first token."""
-    for s in seqs:
-        runner.blocks.reserve(s, len(s.prompt_ids))
-    batch = runner.batch(seqs, [s.prompt_ids for s in seqs], [0] * len(seqs))
-    hidden, taps = runner.target_forward(batch)
-    last_rows = batch.meta.cu_seqlens_q[1:] - 1
-    tokens = choose_tokens(runner.backend, runner.logits(hidden, last_rows), [s.params for s in seqs],
-                           [s.rng for s in seqs])
-    if runner.draft is not None:
-        runner.draft_context(taps, batch)
-    for s, t in zip(seqs, tokens):
-        s.num_cached = len(s.prompt_ids)
-        s.output_ids.append(int(t))
+@dataclass(slots=True)
+class Proposal:
+    drafts: np.ndarray  # int64 [n, block - 1]
+    q: np.ndarray | None = None  # [n, block - 1, V] draft distributions for sampling drafters; None = argmax
 
 
-def decode_step(runner: ModelRunner, seqs: list[Sequence]) -> None:
-    """Plain autoregressive decoding: one token per sequence."""
-    for s in seqs:
-        runner.blocks.reserve(s, s.num_cached + 1)
-    batch = runner.batch(seqs, [[s.last_token] for s in seqs], [s.num_cached for s in seqs])
-    hidden, _ = runner.target.forward(batch, runner.target_kv)
-    tokens = choose_tokens(runner.backend, runner.logits(hidden), [s.params for s in seqs], [s.rng for s in seqs])
-    for s, t in zip(seqs, tokens):
-        s.num_cached += 1
-        s.output_ids.append(int(t))
-        s.acceptance_lengths.append(1)
+Proposer = Callable[[ModelRunner, ForwardBatch, list[Sequence], int], Proposal]
 
 
-def dflash_propose(runner: ModelRunner, batch: ForwardBatch, seqs: list[Sequence], block: int) -> np.ndarray:
+def dflash_propose(runner: ModelRunner, batch: ForwardBatch, seqs: list[Sequence], block: int) -> Proposal:
     """Drafter forward over the block batch [last token, MASK x (block-1)]; argmax drafts [n, block-1]."""
     hidden = runner.draft_forward(batch)
     rows = (np.arange(len(seqs))[:, None] * block + np.arange(1, block)[None, :]).reshape(-1)
     drafts = runner.backend.to_numpy(runner.backend.argmax(runner.logits(hidden, rows)))
-    return drafts.reshape(len(seqs), block - 1).astype(np.int64)
+    return Proposal(drafts.reshape(len(seqs), block - 1).astype(np.int64))
 
 
-Proposer = Callable[[ModelRunner, ForwardBatch, list[Sequence], int], np.ndarray]
+def engine_step(runner: ModelRunner, plan: StepPlan, block: int, proposer: Proposer = dflash_propose) -> None:
+    """Advance every planned sequence; appends emitted tokens and acceptance lengths to the sequences."""
+    b, decodes = runner.backend, plan.decodes
+    speculative = block > 1 and runner.draft is not None
+    proposal = Proposal(np.zeros((len(decodes), 0), dtype=np.int64))
+    if decodes and speculative:
+        mask = runner.draft_cfg.mask_token_id
+        draft_batch = runner.batch(decodes, [[s.last_token] + [mask] * (block - 1) for s in decodes],
+                                   [s.num_cached for s in decodes])
+        proposal = proposer(runner, draft_batch, decodes, block)
 
+    # One target forward: prefill chunks first, then each decode's [pending token, drafts...].
+    seqs = [s for s, _ in plan.prefills] + decodes
+    ids = [[s.token_at(p) for p in range(s.num_cached, s.num_cached + n)] for s, n in plan.prefills]
+    ids += [[s.last_token] + d.tolist() for s, d in zip(decodes, proposal.drafts)]
+    batch = runner.batch(seqs, ids, [s.num_cached for s in seqs])
+    hidden, taps = runner.target_forward(batch, with_taps=speculative)
 
-def spec_step(runner: ModelRunner, seqs: list[Sequence], block: int, proposer: Proposer = dflash_propose) -> None:
-    """Propose, verify, accept, roll back; then the committed rows' taps become drafter context."""
-    b = runner.backend
-    for s in seqs:
-        runner.blocks.reserve(s, s.num_cached + block)
-    mask = runner.draft_cfg.mask_token_id
-    batch = runner.batch(seqs, [[s.last_token] + [mask] * (block - 1) for s in seqs], [s.num_cached for s in seqs])
-    drafts = proposer(runner, batch, seqs, block)
-    # Verify: the same positions and slots (now in the target's cache), the drafts in place of the masks.
-    ids = np.concatenate([np.concatenate([[s.last_token], d]) for s, d in zip(seqs, drafts)]).astype(np.int32)
-    batch = ForwardBatch(b.asarray(ids, "i32"), batch.positions, batch.slots, batch.meta)
-    hidden, taps = runner.target_forward(batch)
-    row_params = [s.params for s in seqs for _ in range(block)]
-    row_rngs = [s.rng for s in seqs for _ in range(block)]
-    targets = choose_tokens(b, runner.logits(hidden), row_params, row_rngs).reshape(len(seqs), block)
-    commit_rows = []
-    for i, s in enumerate(seqs):
-        a = accepted_prefix(drafts[i], targets[i])
-        commit_rows.extend(range(i * block, i * block + a + 1))  # the anchor and the accepted drafts
-        s.output_ids.extend(int(t) for t in drafts[i, :a])
-        s.output_ids.append(int(targets[i, a]))
-        s.num_cached += a + 1
-        s.acceptance_lengths.append(a + 1)
-    runner.draft_context(taps, batch, np.asarray(commit_rows, dtype=np.int32))
-    for s in seqs:
-        runner.blocks.trim(s, s.num_cached)  # roll back: slots past the pending token are scratch again
+    # Rows to score: the last row of a prefill that completes a fresh prompt, every row of a decode.
+    groups, score_rows, context_rows = [], [], []
+    cu = batch.meta.cu_seqlens_q
+    for i, (s, n) in enumerate(plan.prefills):
+        context_rows.extend(range(cu[i], cu[i] + n))
+        if s.num_cached + n == s.prefill_end and not s.output_ids:
+            groups.append(VerifyGroup(s, len(score_rows), np.zeros(0, dtype=np.int64)))
+            score_rows.append(cu[i + 1] - 1)
+    first_decode = len(plan.prefills)
+    for j, s in enumerate(decodes):
+        q = proposal.q[j] if proposal.q is not None else None
+        groups.append(VerifyGroup(s, len(score_rows), proposal.drafts[j], q))
+        score_rows.extend(range(cu[first_decode + j], cu[first_decode + j + 1]))
+    emitted = verify_tokens(b, runner.logits(hidden, np.asarray(score_rows, dtype=np.int32)), groups) if groups else []
+
+    decode_emitted = emitted[len(groups) - len(decodes):]
+    for j, tokens in enumerate(decode_emitted):  # the pending token and the accepted drafts are committed
+        start = int(cu[first_decode + j])
+        context_rows.extend(range(start, start + len(tokens)))
+    if speculative and context_rows:
+        runner.draft_context(taps, batch, np.asarray(context_rows, dtype=np.int32))
+
+    for s, n in plan.prefills:
+        s.num_cached += n
+        runner.blocks.hash_committed(s)
+    for g, tokens in zip(groups[: len(groups) - len(decodes)], emitted):
+        g.seq.output_ids.extend(tokens)  # a completed prompt's first token
+    for s, tokens in zip(decodes, decode_emitted):
+        s.num_cached += len(tokens)
+        s.acceptance_lengths.append(len(tokens))
+        s.output_ids.extend(tokens)
+        runner.blocks.trim(s, s.num_cached + 1)  # roll back: slots past the pending token are scratch again
+        runner.blocks.hash_committed(s)
