@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cudflash import LLM, SamplingParams
-from cudflash.engine.spec_decode import Proposal
+from cudflash.engine.propose import Proposal
 from cudflash.tiny import TinyShape, write_random_pair
 
 SHAPES = {

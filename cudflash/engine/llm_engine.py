@@ -12,7 +12,8 @@ from cudflash.config import load_draft_config, load_target_config, validate_pair
 from cudflash.engine.model_runner import ModelRunner
 from cudflash.engine.scheduler import Scheduler
 from cudflash.engine.sequence import Sequence, SequenceStatus
-from cudflash.engine.spec_decode import Proposer, dflash_propose, engine_step
+from cudflash.engine.propose import Proposer, dflash_propose
+from cudflash.engine.spec_decode import engine_step
 from cudflash.errors import ConfigError, RequestError
 from cudflash.sampling_params import SamplingParams
 from cudflash.tokenizer import load_tokenizer
@@ -131,7 +132,7 @@ class LLM:
         plan = self.scheduler.schedule()
         while plan.empty and self.scheduler.running:
             # Every running sequence is stuck prefilling on a full pool: free the youngest for the others.
-            self.scheduler._preempt(self.scheduler.running[-1], plan)
+            self.scheduler.preempt_youngest(plan)
             plan = self.scheduler.schedule()
         if plan.empty:
             return []

@@ -34,6 +34,8 @@ class Scheduler:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is the youngest
+        # Counters for users and tests: preemptions, prompt tokens served by the prefix cache, tokens prefilled.
+        self.num_preemptions = self.num_prefix_hit_tokens = self.num_prefill_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -50,7 +52,11 @@ class Scheduler:
             self.waiting.remove(seq)
         self.blocks.free(seq)
 
+    def preempt_youngest(self, plan: StepPlan) -> None:
+        self._preempt(self.running[-1], plan)
+
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        self.num_preemptions += 1
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.num_hashed_blocks = 0
@@ -82,6 +88,7 @@ class Scheduler:
                 seq.num_hashed_blocks = 0
                 break
             self.waiting.popleft()
+            self.num_prefix_hit_tokens += seq.num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             budget = self._plan_prefill(seq, budget, plan)
@@ -93,4 +100,5 @@ class Scheduler:
             return budget
         self.blocks.reserve(seq, seq.num_cached + n)
         plan.prefills.append((seq, n))
+        self.num_prefill_tokens += n
         return budget - n

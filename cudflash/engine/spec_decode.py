@@ -7,40 +7,19 @@ and drafter context K/V; a decoding sequence has exactly one pending token.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import numpy as np
 
 from cudflash.engine.model_runner import ModelRunner
+from cudflash.engine.propose import Proposal, Proposer, dflash_propose
 from cudflash.engine.sampler import VerifyGroup, verify_tokens
 from cudflash.engine.scheduler import StepPlan
-from cudflash.engine.sequence import Sequence
-from cudflash.models.batch import ForwardBatch
-
-
-@dataclass(slots=True)
-class Proposal:
-    drafts: np.ndarray  # int64 [n, block - 1]
-    q: np.ndarray | None = None  # [n, block - 1, V] draft distributions for sampling drafters; None = argmax
-
-
-Proposer = Callable[[ModelRunner, ForwardBatch, list[Sequence], int], Proposal]
-
-
-def dflash_propose(runner: ModelRunner, batch: ForwardBatch, seqs: list[Sequence], block: int) -> Proposal:
-    """Drafter forward over the block batch [last token, MASK x (block-1)]; argmax drafts [n, block-1]."""
-    hidden = runner.draft_forward(batch)
-    rows = (np.arange(len(seqs))[:, None] * block + np.arange(1, block)[None, :]).reshape(-1)
-    drafts = runner.backend.to_numpy(runner.backend.argmax(runner.logits(hidden, rows)))
-    return Proposal(drafts.reshape(len(seqs), block - 1).astype(np.int64))
 
 
 def engine_step(runner: ModelRunner, plan: StepPlan, block: int, proposer: Proposer = dflash_propose) -> None:
     """Advance every planned sequence; appends emitted tokens and acceptance lengths to the sequences."""
     b, decodes = runner.backend, plan.decodes
     speculative = block > 1 and runner.draft is not None
-    proposal = Proposal(np.zeros((len(decodes), 0), dtype=np.int64))
+    proposal = Proposal([np.zeros(0, dtype=np.int64)] * len(decodes))
     if decodes and speculative:
         mask = runner.draft_cfg.mask_token_id
         draft_batch = runner.batch(decodes, [[s.last_token] + [mask] * (block - 1) for s in decodes],

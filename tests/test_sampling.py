@@ -1,0 +1,121 @@
+"""Lossless sampling: speculative rejection sampling reproduces the target's own distribution.
+
+A tiny random target with 16 tokens, temperature 1, thousands of seeded requests generated together. The
+drafter is an oracle of the target's greedy continuation (so drafts are accepted often and a wrong acceptance
+rule shows); the exact distribution of the first generated tokens is computed from the target's logits.
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import cudflash.engine.sampler as sampler
+from cudflash import LLM, SamplingParams
+from cudflash.engine.propose import Proposal
+from cudflash.engine.sampler import target_probs
+from cudflash.tiny import TinyShape, write_random_pair
+from tests.conftest import last_logits
+from tests.sampling_stats import chi_square_pvalue
+
+VOCAB, BLOCK, RUNS = 16, 4, 3000
+PROMPT = [3, 7, 2, 9, 4]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    shape = TinyShape(vocab_size=VOCAB, hidden_size=32, num_layers=2, intermediate_size=64, target_layer_ids=[0, 1],
+                      block_size=BLOCK, mask_token_id=15, eos_token_id=0)
+    return write_random_pair(tmp_path_factory.mktemp("pair"), shape, seed=3)
+
+
+def _llm(pair, block):
+    target, draft = pair
+    return LLM(target, draft=draft, backend="cpu", block_size=block, max_num_seqs=256, kv_block_size=8)
+
+
+def exact_first_tokens(llm, params: SamplingParams) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Exact marginals of the 1st, 2nd and 3rd generated tokens under the target with these params."""
+    p1 = target_probs(last_logits(llm, PROMPT), params)
+    p2_given = np.stack([target_probs(last_logits(llm, PROMPT + [a]), params) for a in range(VOCAB)])
+    p3_given = {(a, b): target_probs(last_logits(llm, PROMPT + [a, b]), params)
+                for a, b in itertools.product(range(VOCAB), repeat=2) if p1[a] * p2_given[a, b] > 1e-9}
+    p2 = p1 @ p2_given
+    p3 = sum(p1[a] * p2_given[a, b] * p for (a, b), p in p3_given.items())
+    return p1, p2, p3
+
+
+def greedy_oracle(llm):
+    """Drafts = the target's greedy continuation after the first sampled token (precomputed per token)."""
+    ar = LLM(llm.target_cfg.path, backend="cpu")
+    table = {a: np.array(ar.generate([PROMPT + [a]], SamplingParams(max_tokens=BLOCK - 1, ignore_eos=True))[0].token_ids)
+             for a in range(VOCAB)}
+
+    def propose(runner, batch, seqs, block):
+        return Proposal([table[s.output_ids[0]] if len(s.output_ids) == 1 else np.zeros(block - 1, dtype=np.int64)
+                         for s in seqs])
+    return propose
+
+
+def sample_first_tokens(llm, params: SamplingParams) -> tuple[np.ndarray, float]:
+    """The first three tokens of RUNS seeded generations, and the mean acceptance length of the first step
+    (the only one where the oracle proposes)."""
+    outs = llm.generate([PROMPT] * RUNS, [SamplingParams(max_tokens=3, seed=i, ignore_eos=True,
+                                                         temperature=params.temperature, top_k=params.top_k,
+                                                         top_p=params.top_p) for i in range(RUNS)])
+    steps = [o.acceptance_lengths[0] for o in outs]
+    return np.array([o.token_ids[:3] for o in outs]), float(np.mean(steps))
+
+
+def _pvalues(tokens: np.ndarray, exact) -> list[float]:
+    return [chi_square_pvalue(np.bincount(tokens[:, i], minlength=VOCAB), exact[i]) for i in range(3)]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=6),
+                                    SamplingParams(temperature=1.3, top_p=0.8)], ids=["t1", "topk", "topp"])
+def test_speculative_sampling_matches_the_target_distribution(pair, params):
+    llm = _llm(pair, BLOCK)
+    llm.proposer = greedy_oracle(llm)
+    tokens, tau = sample_first_tokens(llm, params)
+    assert tau > 1.3, tau  # drafts are often accepted, so the acceptance rule is really exercised
+    pvalues = _pvalues(tokens, exact_first_tokens(llm, params))
+    assert min(pvalues) > 1e-3, pvalues
+
+
+def test_autoregressive_sampling_matches_the_target_distribution(pair):
+    llm = _llm(pair, 1)
+    params = SamplingParams(temperature=1.0)
+    pvalues = _pvalues(sample_first_tokens(llm, params)[0], exact_first_tokens(llm, params))
+    assert min(pvalues) > 1e-3, pvalues
+
+
+def test_a_wrong_acceptance_rule_fails_the_test(pair, monkeypatch):
+    """Resampling from p (not the residual) after a rejection over-weights drafts: the test must catch it."""
+    def wrong(rows, drafts, q, params, rng):
+        out = []
+        for j, d in enumerate(drafts):
+            p = target_probs(rows[j], params)
+            if rng.random() < p[d]:
+                out.append(int(d))
+                continue
+            out.append(sampler.sample(p, rng))
+            return out
+        out.append(sampler.sample(target_probs(rows[len(drafts)], params), rng))
+        return out
+
+    monkeypatch.setattr(sampler, "rejection_sample", wrong)
+    llm = _llm(pair, BLOCK)
+    llm.proposer = greedy_oracle(llm)
+    params = SamplingParams(temperature=1.0)
+    pvalues = _pvalues(sample_first_tokens(llm, params)[0], exact_first_tokens(llm, params))
+    assert min(pvalues) < 1e-3, pvalues
+
+
+def test_same_seed_same_output_whatever_the_batch(pair):
+    llm = _llm(pair, BLOCK)
+    p = SamplingParams(max_tokens=12, temperature=1.0, seed=11, ignore_eos=True)
+    alone = llm.generate([PROMPT], p)[0].token_ids
+    crowd = llm.generate([PROMPT, [5, 5], PROMPT, [1, 2, 3]], [p, SamplingParams(max_tokens=5, seed=1), p,
+                                                               SamplingParams(max_tokens=20)])
+    assert crowd[0].token_ids == alone and crowd[2].token_ids == alone
