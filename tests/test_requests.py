@@ -75,3 +75,11 @@ def test_import_is_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert float(out[0]) < 1.0
     assert out[1:] == ["False", "False"]
+
+
+def test_request_that_can_never_fit_the_pool(tmp_path):
+    target, draft = write_random_pair(tmp_path, TinyShape())
+    llm = LLM(target, draft=draft, backend="cpu", kv_block_size=8, num_kv_blocks=4)  # 32 positions in all
+    with pytest.raises(RequestError, match="can never fit the KV pool"):
+        llm.generate([[3] * 10], SamplingParams(max_tokens=20))
+    assert len(llm.generate([[3] * 5], SamplingParams(max_tokens=10, ignore_eos=True))[0].token_ids) == 10
