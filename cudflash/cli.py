@@ -43,6 +43,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-seqs", type=int, default=64, help="sequences in flight at once")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of free device memory the KV cache may take")
+    bench = sub.add_parser("bench", help="time AR and speculative steps (CUDA events on the GPU)")
+    source = bench.add_mutually_exclusive_group(required=True)
+    source.add_argument("--synthetic", choices=["qwen3-8b", "qwen3-4b", "tiny"],
+                        help="random weights with the exact shapes of this model and its DFlash-b16 drafter")
+    source.add_argument("--target", help="target model directory (needs --draft)")
+    bench.add_argument("--draft", help="drafter directory")
+    bench.add_argument("--prompt-len", type=int, default=512)
+    bench.add_argument("--new", dest="steps", type=int, default=20, help="timed steps per measurement")
+    bench.add_argument("--warmup", type=int, default=3)
+    bench.add_argument("--batch", default="1", help="comma-separated batch sizes, e.g. 1,8,32")
+    bench.add_argument("--block-size", type=int)
+    bench.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto")
+    bench.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    bench.add_argument("--json", type=Path, metavar="FILE", help="write the numbers as JSON too")
     return parser
 
 
@@ -112,6 +126,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "generate":
             generate(args)
+        elif args.command == "bench":
+            if args.target is not None and args.draft is None:
+                raise RequestError("bench --target needs --draft")
+            from cudflash.bench import run_bench
+
+            print(run_bench(args))
     except CudflashError as e:
         _fail(str(e))
     except KeyboardInterrupt:

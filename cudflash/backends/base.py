@@ -47,7 +47,10 @@ class Backend(Protocol):
     # ---- memory
     def asarray(self, x: np.ndarray, dtype: str) -> Any: ...  # dtype: "act" | "f32" | "i32"
     def load(self, dtype: str, raw: np.ndarray) -> Any: ...  # checkpoint tensor (BF16 bits, F16, F32) -> "act"
+    def random(self, shape: tuple[int, ...], std: float, seed: int) -> Any: ...  # "act", N(0, std^2), made in place
     def to_numpy(self, x: Any) -> np.ndarray: ...  # float32 for floating arrays
+    def event(self) -> Any: ...  # a timestamp in the backend's stream (a CUDA event on the GPU)
+    def elapsed_ms(self, start: Any, end: Any) -> float: ...  # after synchronize()
     def zeros(self, shape: tuple[int, ...], dtype: str) -> Any: ...
     def cat(self, xs: list[Any], axis: int = 0) -> Any: ...
     def take_rows(self, x: Any, rows: Any) -> Any: ...  # x[rows], rows int32 on device
@@ -67,3 +70,9 @@ class Backend(Protocol):
     def attention(self, q: Any, k_cache: Any, v_cache: Any, meta: AttentionMeta, scale: float,
                   causal: bool, window: int = 0) -> Any: ...
     def argmax(self, x: Any) -> Any: ...  # [T, V] -> int32 [T]
+
+    # ---- drafter heads (DFlash2); numpy_backend.py holds the reference definitions
+    def block_conv(self, x: Any, coeff: Any, base: Any, block: int) -> Any: ...  # two-tap grouped dynamic conv
+    def topk(self, x: Any, k: int) -> tuple[Any, Any]: ...  # [T, V] -> (f32 [T, k], int32 [T, k]), descending
+    def pair_scores(self, unary: Any, cand: Any, pred: Any, hidden: Any, pred_table: Any,
+                    succ_table: Any) -> Any: ...  # selector lattice, f32 [R, P, K]

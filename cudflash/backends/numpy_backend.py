@@ -6,6 +6,7 @@ multiply by the weight last; softmax in float32), so that greedy decoding reprod
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 
@@ -27,6 +28,15 @@ class NumpyBackend:
 
     def load(self, dtype: str, raw: np.ndarray) -> np.ndarray:
         return bf16_bits_to_float32(raw) if dtype == "BF16" else np.array(raw, dtype=np.float32)
+
+    def random(self, shape: tuple[int, ...], std: float, seed: int) -> np.ndarray:
+        return (np.random.default_rng(seed).standard_normal(shape, dtype=np.float32) * np.float32(std))
+
+    def event(self) -> float:
+        return time.perf_counter()
+
+    def elapsed_ms(self, start: float, end: float) -> float:
+        return (end - start) * 1e3
 
     def to_numpy(self, x: np.ndarray) -> np.ndarray:
         return np.asarray(x)
@@ -116,3 +126,49 @@ class NumpyBackend:
 
     def argmax(self, x: np.ndarray) -> np.ndarray:
         return np.argmax(x, axis=-1).astype(np.int32)
+
+    # ---- drafter heads (DFlash2)
+    def block_conv(self, x: np.ndarray, coeff: np.ndarray, base: np.ndarray, block: int) -> np.ndarray:
+        """Grouped dynamic depthwise convolution along the rows of each block (DFlash2).
+
+        x [T, C] holds whole blocks of `block` rows; base [K, C]; coeff [T, K * G] (row-strided view allowed),
+        tap-major, G = groups of C / G consecutive channels:
+            out[t, c] = sum over tau < K with tau <= t % block of
+                        (base[tau, c] + coeff[t, tau * G + c // (C / G)]) * x[t - tau, c]
+        Taps never reach across a block boundary, so row 0 of a block sees only itself.
+        """
+        t, c = x.shape
+        taps = base.shape[0]
+        groups = coeff.shape[1] // taps
+        assert coeff.shape == (t, taps * groups) and c % groups == 0 and t % block == 0, (x.shape, coeff.shape)
+        pos = np.arange(t) % block
+        out = np.zeros((t, c), dtype=np.float32)
+        for tau in range(taps):
+            kernel = base[tau] + np.repeat(coeff[:, tau * groups:(tau + 1) * groups], c // groups, axis=1)
+            shifted = np.zeros_like(x)
+            shifted[tau:] = x[: t - tau]
+            shifted[pos < tau] = 0.0
+            out = out + kernel * shifted
+        return out
+
+    def topk(self, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The k largest entries of each row, by value descending, equal values by lower index first."""
+        t, v = x.shape
+        assert 1 <= k <= v, (k, v)
+        ids = np.empty((t, k), dtype=np.int32)
+        kth = -np.partition(-x, k - 1, axis=1)[:, k - 1]
+        for r in range(t):
+            row = x[r]
+            above = np.flatnonzero(row > kth[r])
+            idx = np.concatenate([above, np.flatnonzero(row == kth[r])[: k - len(above)]])
+            ids[r] = idx[np.lexsort((idx, -row[idx]))]
+        return np.take_along_axis(x, ids, axis=1).astype(np.float32), ids
+
+    def pair_scores(self, unary: np.ndarray, cand: np.ndarray, pred: np.ndarray, hidden: np.ndarray,
+                    pred_table: np.ndarray, succ_table: np.ndarray) -> np.ndarray:
+        """DFlash2 selector lattice, float32 [R, P, K]:
+            out[t, p, c] = unary[t, c] + sum_j pred_table[pred[t, p], j] * hidden[t, j] * succ_table[cand[t, c], j]
+        unary f32 [R, K]; cand int32 [R, K]; pred int32 [R, P]; hidden [R, r]; tables [V, r].
+        """
+        a = pred_table[pred] * hidden[:, None, :]  # [R, P, r]
+        return unary[:, None, :] + np.einsum("tpj,tcj->tpc", a, succ_table[cand]).astype(np.float32)

@@ -47,7 +47,7 @@ class LLM:
     def __init__(self, target: str | Path, draft: str | Path | None = None, backend: str = "auto", *,
                  block_size: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 8192,
                  kv_block_size: int = 16, num_kv_blocks: int | None = None, memory_utilization: float = 0.9,
-                 enable_prefix_caching: bool = True, progress: bool = False):
+                 enable_prefix_caching: bool = True, progress: bool = False, random_weights: bool = False):
         self.target_cfg = load_target_config(target)
         self.draft_cfg = load_draft_config(draft) if draft is not None else None
         if self.draft_cfg is not None:
@@ -64,7 +64,7 @@ class LLM:
         self.runner = ModelRunner(self.target_cfg, self.draft_cfg, self.backend, max_block_size=self.block_size,
                                   kv_block_size=kv_block_size, num_kv_blocks=num_kv_blocks,
                                   max_num_seqs=max_num_seqs, memory_utilization=memory_utilization,
-                                  progress=progress)
+                                  progress=progress, random_weights=random_weights)
         self.runner.blocks.enable_prefix_caching = enable_prefix_caching
         self.scheduler = Scheduler(self.runner.blocks, self.block_size, max_num_seqs, max_num_batched_tokens)
         self.tokenizer = load_tokenizer(target)

@@ -20,7 +20,7 @@ from cudflash.errors import BackendError
 from cudflash.models.batch import ForwardBatch, KVCache
 from cudflash.models.dflash import DFlashDraftModel
 from cudflash.models.target import TargetModel
-from cudflash.models.weights import WeightLoader
+from cudflash.models.weights import RandomWeights, WeightLoader
 
 
 class LoadProgress:
@@ -48,17 +48,22 @@ def _loader(ckpt: Checkpoint, backend: Backend, label: str, progress: bool) -> W
 class ModelRunner:
     def __init__(self, target_cfg: TargetConfig, draft_cfg: DraftConfig | None, backend: Backend, *,
                  max_block_size: int, kv_block_size: int = 16, num_kv_blocks: int | None = None,
-                 max_num_seqs: int = 64, memory_utilization: float = 0.9, progress: bool = False):
+                 max_num_seqs: int = 64, memory_utilization: float = 0.9, progress: bool = False,
+                 random_weights: bool = False):
         self.backend, self.target_cfg, self.draft_cfg = backend, target_cfg, draft_cfg
         max_positions = target_cfg.max_position_embeddings + max_block_size + 1
-        self.target = TargetModel(target_cfg, _loader(Checkpoint(target_cfg.path), backend, "target", progress),
-                                  backend, max_positions)
+        def loader(path: str, label: str) -> WeightLoader | RandomWeights:
+            if random_weights:  # synthetic benchmarks: the shapes of a real model, values made on the device
+                return RandomWeights(backend, seed=len(label), untied=not target_cfg.tie_word_embeddings)
+            return _loader(Checkpoint(path), backend, label, progress)
+
+        self.target = TargetModel(target_cfg, loader(target_cfg.path, "target"), backend, max_positions)
         self.draft: DFlashDraftModel | None = None
         self.tap_layers: list[int] = []
         if draft_cfg is not None:
             self.tap_layers = draft_cfg.target_layer_ids
-            self.draft = DFlashDraftModel(draft_cfg, _loader(Checkpoint(draft_cfg.path), backend, "drafter", progress),
-                                          backend, max_positions, len(self.tap_layers))
+            self.draft = DFlashDraftModel(draft_cfg, loader(draft_cfg.path, "drafter"), backend, max_positions,
+                                          len(self.tap_layers))
         t, d = target_cfg, draft_cfg
         per_position = t.num_layers * 2 * t.num_kv_heads * t.head_dim
         if d is not None:

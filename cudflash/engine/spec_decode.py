@@ -7,6 +7,8 @@ and drafter context K/V; a decoding sequence has exactly one pending token.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from cudflash.engine.model_runner import ModelRunner
@@ -15,8 +17,12 @@ from cudflash.engine.sampler import VerifyGroup, verify_tokens
 from cudflash.engine.scheduler import StepPlan
 
 
-def engine_step(runner: ModelRunner, plan: StepPlan, block: int, proposer: Proposer = dflash_propose) -> None:
-    """Advance every planned sequence; appends emitted tokens and acceptance lengths to the sequences."""
+def engine_step(runner: ModelRunner, plan: StepPlan, block: int, proposer: Proposer = dflash_propose,
+                mark: Callable[[str], None] = lambda phase: None) -> None:
+    """Advance every planned sequence; appends emitted tokens and acceptance lengths to the sequences.
+
+    `mark(phase)` is called as each phase ends ("propose", "verify", "accept"): benchmarks put events there.
+    """
     b, decodes = runner.backend, plan.decodes
     speculative = block > 1 and runner.draft is not None
     proposal = Proposal([np.zeros(0, dtype=np.int64)] * len(decodes))
@@ -25,6 +31,7 @@ def engine_step(runner: ModelRunner, plan: StepPlan, block: int, proposer: Propo
         draft_batch = runner.batch(decodes, [[s.last_token] + [mask] * (block - 1) for s in decodes],
                                    [s.num_cached for s in decodes])
         proposal = proposer(runner, draft_batch, decodes, block)
+    mark("propose")
 
     # One target forward: prefill chunks first, then each decode's [pending token, drafts...].
     seqs = [s for s, _ in plan.prefills] + decodes
@@ -46,7 +53,9 @@ def engine_step(runner: ModelRunner, plan: StepPlan, block: int, proposer: Propo
         q = proposal.q[j] if proposal.q is not None else None
         groups.append(VerifyGroup(s, len(score_rows), proposal.drafts[j], q))
         score_rows.extend(range(cu[first_decode + j], cu[first_decode + j + 1]))
-    emitted = verify_tokens(b, runner.logits(hidden, np.asarray(score_rows, dtype=np.int32)), groups) if groups else []
+    logits = runner.logits(hidden, np.asarray(score_rows, dtype=np.int32)) if groups else None
+    mark("verify")
+    emitted = verify_tokens(b, logits, groups) if groups else []
 
     decode_emitted = emitted[len(groups) - len(decodes):]
     for j, tokens in enumerate(decode_emitted):  # the pending token and the accepted drafts are committed
@@ -66,3 +75,4 @@ def engine_step(runner: ModelRunner, plan: StepPlan, block: int, proposer: Propo
         s.output_ids.extend(tokens)
         runner.blocks.trim(s, s.num_cached + 1)  # roll back: slots past the pending token are scratch again
         runner.blocks.hash_committed(s)
+    mark("accept")

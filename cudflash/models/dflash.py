@@ -1,4 +1,4 @@
-"""The DFlash block-diffusion draft head (z-lab `DFlashDraftModel`).
+"""The block-diffusion draft head: z-lab DFlash, and the backbone of DFlash2 and DSpark (heads: draft_heads.py).
 
 Two entry points, both writing into the drafter's own paged KV cache (same block tables as the target):
 - `update_context`: target taps of newly committed tokens -> fc -> hidden_norm -> one GEMM with every layer's
@@ -6,18 +6,30 @@ Two entry points, both writing into the drafter's own paged KV cache (same block
 - `forward`: the block [anchor, MASK x (B-1)], embedded with the target's table; every layer attends
   non-causally over (its context K/V ++ the block's own K/V). The block's K/V are written at the block's
   positions (lookahead slots) and are overwritten by context K/V once those positions are committed.
-Row j of the output predicts the token at position anchor + j (row 0 echoes the anchor).
+Row j of the output predicts the token at position anchor + j (row 0 echoes the anchor); in a DSpark checkpoint
+(`cfg.shifted_rows`) row j predicts anchor + j + 1.
+
+DFlash2 wraps both sublayers of every layer in a dynamic convolution (`DynamicConv`); the selector, Markov and
+confidence heads are loaded here and used by the proposer (engine/propose.py). A checkpoint may carry its own
+`embed_tokens` / `lm_head` (DeepSpec ships copies of the target's); a smaller drafter vocabulary needs its own
+`lm_head` [Vd, H] and `d2t` [Vd] (target id = draft id + d2t[draft id], the EAGLE-3 / speculators convention).
+Checkpoint tensors of a head the config does not declare are an error: nothing is silently dropped.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from cudflash.backends.base import Backend
-from cudflash.config import DraftConfig
+from cudflash.checkpoint import SafetensorsFile
+from cudflash.config import DraftConfig, TargetConfig
+from cudflash.errors import CheckpointError, ConfigError
 from cudflash.models.batch import ForwardBatch, KVCache
+from cudflash.models.draft_heads import CandidateSelector, ConfidenceHead, DynamicConv, MarkovHead
 from cudflash.models.target import TargetModel
-from cudflash.models.weights import WeightLoader
+from cudflash.models.weights import RandomWeights, WeightLoader
 from cudflash.rope import rope_tables
 
 
@@ -36,7 +48,7 @@ class DraftLayer:
 
 
 class DFlashDraftModel:
-    def __init__(self, cfg: DraftConfig, loader: WeightLoader, backend: Backend, max_positions: int,
+    def __init__(self, cfg: DraftConfig, loader: WeightLoader | RandomWeights, backend: Backend, max_positions: int,
                  num_taps: int):
         self.cfg, self.b = cfg, backend
         H, D, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
@@ -51,7 +63,10 @@ class DFlashDraftModel:
             attn = p + "self_attn."
             kv_rows += [(attn + "k_proj.weight", (kv_dim, H)), (attn + "v_proj.weight", (kv_dim, H))]
             kv_bias += [(attn + "k_proj.bias", (kv_dim,)), (attn + "v_proj.bias", (kv_dim,))]
+            conv = (lambda name: DynamicConv(loader, p + name, H, cfg.conv_kernel_size, cfg.conv_group_size)
+                    if cfg.conv_kernel_size else None)
             self.layers.append(DraftLayer(
+                attn_conv=conv("attention_conv"), mlp_conv=conv("mlp_conv"),
                 input_norm=loader.get(p + "input_layernorm.weight", (H,)),
                 q_proj=loader.get(attn + "q_proj.weight", (q_dim, H)),
                 q_bias=loader.get(attn + "q_proj.bias", (q_dim,)) if cfg.attention_bias else None,
@@ -72,6 +87,91 @@ class DFlashDraftModel:
         self.rope_sin = backend.asarray(sin, "f32")  # [max_positions, D / 2]
         self.scale = D ** -0.5
         self.kv_dim = kv_dim
+
+        V, Vd = self.vocab, self.draft_vocab
+        self.embed_tokens = loader.maybe("embed_tokens.weight", (V, H)) if V else None  # [V, H] or the target's
+        self.lm_head = self._maybe_top(loader, "lm_head.weight", (Vd, H)) if Vd else None  # [Vd, H] or target's
+        self.d2t: np.ndarray | None = None  # int64 [Vd]: target id of each drafter id
+        self.d2t_device: Any = None  # int32 [Vd]
+        if cfg.draft_vocab_size is not None:
+            if self.lm_head is None:
+                raise CheckpointError(f"{cfg.path}: draft_vocab_size {Vd} needs the drafter's own 'lm_head.weight' "
+                                      f"[{Vd}, {H}]")
+            self.d2t = self._read_d2t(loader, Vd, V)
+            self.d2t_device = backend.asarray(self.d2t.astype(np.int32), "i32")
+        self.selector = (CandidateSelector(loader, V, H, cfg.selector_rank, cfg.selector_top_k)
+                         if cfg.selector_rank else None)
+        self.markov = MarkovHead(loader, V, Vd, cfg.markov_rank) if cfg.markov_rank else None
+        self.confidence = (ConfidenceHead(loader, H, cfg.markov_rank if cfg.confidence_with_markov else 0)
+                           if cfg.confidence_head else None)
+        unused = [n for n in ckpt.names if n not in used and not n.endswith(_IGNORED_TENSORS)]
+        if unused:
+            more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+            raise ConfigError(f"{cfg.path}: checkpoint tensors this {cfg.kind} drafter would not use: "
+                              f"{', '.join(unused[:3])}{more} (refusing to drop them silently)")
+
+    # ---- checkpoint layout
+    def _check_declared(self, loader: WeightLoader) -> None:
+        declared = {"conv_kernel_size": self.cfg.conv_kernel_size, "selector_rank": self.cfg.selector_rank,
+                    "markov_rank": self.cfg.markov_rank, "enable_confidence_head": self.cfg.confidence_head,
+                    "draft_vocab_size": self.cfg.draft_vocab_size}
+        for name in loader.ckpt.names:
+            for key, field in _HEAD_TENSORS.items():
+                if key in name and not declared[field]:
+                    raise ConfigError(f"{self.cfg.path}: checkpoint has tensor '{name}' but config.json declares no "
+                                      f"'{field}' (refusing to drop a head silently)")
+
+    def _vocab(self, cfg: DraftConfig, loader: WeightLoader) -> int | None:
+        """The target vocabulary size: from the config, else from the first vocabulary-indexed tensor present."""
+        if cfg.vocab_size is not None:
+            return cfg.vocab_size
+        for name in ("embed_tokens.weight", "markov_head.markov_w1.weight", "candidate_selector.successor_codebook",
+                     "lm_head.weight"):
+            for full in (loader.prefix + name, name):
+                if full in loader.ckpt and (name != "lm_head.weight" or cfg.draft_vocab_size is None):
+                    return loader.ckpt.info(full).shape[0]
+        if cfg.draft_vocab_size is not None or cfg.markov_rank or cfg.selector_rank:
+            raise ConfigError(f"{cfg.path}/config.json: missing field 'vocab_size'")
+        return None
+
+    @staticmethod
+    def _maybe_top(loader: WeightLoader, name: str, shape: tuple[int, ...]) -> Any | None:
+        """A tensor under the loader's prefix or at the top level (vLLM keeps `lm_head` outside `model.`)."""
+        if loader.prefix + name in loader.ckpt:
+            return loader.get(name, shape)
+        return _TrackingLoader(loader.ckpt, loader.backend, "", loader.progress, loader.used).maybe(name, shape)
+
+    def _read_d2t(self, loader: WeightLoader, draft_vocab: int, vocab: int) -> np.ndarray:
+        ckpt = loader.ckpt
+        names = [p + n for n in ("d2t", "draft_id_to_target_id") for p in (loader.prefix, "")]
+        name = next((n for n in names if n in ckpt), None)
+        if name is None:
+            raise CheckpointError(f"{self.cfg.path}: draft_vocab_size {draft_vocab} < vocab_size {vocab} needs a "
+                                  "'d2t' (or 'draft_id_to_target_id') tensor")
+        info = ckpt.info(name)
+        loader.used.add(name)
+        if info.dtype not in ("I64", "I32") or info.shape != (draft_vocab,):
+            raise CheckpointError(f"{info.file}: tensor '{name}' should be an integer [{draft_vocab}], got "
+                                  f"{info.dtype} {list(info.shape)}")
+        target = np.arange(draft_vocab, dtype=np.int64) + SafetensorsFile(info.file).array(info)  # offsets
+        if target.min() < 0 or target.max() >= vocab or len(np.unique(target)) != draft_vocab:
+            raise CheckpointError(f"{info.file}: tensor '{name}' does not map drafter ids one-to-one onto target ids "
+                                  f"0..{vocab - 1} (read as offsets: target = draft + d2t)")
+        return target
+
+    def check_target(self, target: TargetConfig) -> None:
+        if self.vocab is not None and self.vocab != target.vocab_size:
+            raise ConfigError(f"{self.cfg.path}: drafter vocabulary tensors have {self.vocab} rows, target vocab_size "
+                              f"is {target.vocab_size}")
+
+    # ---- vocabulary
+    def logits(self, hidden: Any, target: TargetModel) -> Any:
+        """Drafter-vocabulary logits [T, Vd] (the target's vocabulary unless the drafter has its own head)."""
+        return self.b.linear(hidden, self.lm_head) if self.lm_head is not None else target.logits(hidden)
+
+    def to_target(self, ids: Any) -> Any:
+        """Drafter ids -> target ids, on the device (identity without a smaller drafter vocabulary)."""
+        return ids if self.d2t is None else self.b.take_rows(self.d2t_device, ids)
 
     def _layer_kv(self, i: int) -> tuple[Any, Any | None]:
         lo, hi = 2 * i * self.kv_dim, 2 * (i + 1) * self.kv_dim
@@ -96,19 +196,29 @@ class DFlashDraftModel:
     def forward(self, batch: ForwardBatch, kv: KVCache, target: TargetModel) -> Any:
         """Final-normed hidden states of the block rows, [T, H]."""
         b, cfg = self.b, self.cfg
-        hidden, residual = target.embed(batch.ids), None
+        block = batch.meta.max_q_len  # every sequence of a draft batch has one block of this many rows
+        hidden = b.embedding(batch.ids, self.embed_tokens) if self.embed_tokens is not None else target.embed(batch.ids)
+        residual = None
         for i, layer in enumerate(self.layers):
             if residual is None:
                 residual, hidden = hidden, b.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
             else:
                 hidden, residual = b.add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
+            if layer.attn_conv is not None:
+                hidden, attn_coeff = layer.attn_conv.prepare(b, hidden, block)
             q = b.head_norm_rope(b.linear(hidden, layer.q_proj, layer.q_bias), cfg.head_dim, batch.positions,
                                  self.rope_cos, self.rope_sin, layer.q_norm, cfg.rms_norm_eps)
             self._store(i, b.linear(hidden, *self._layer_kv(i)), batch.positions, batch.slots, kv)
             attn = b.attention(q, kv.k[i], kv.v[i], batch.meta, self.scale, causal=False,
                                window=cfg.layer_windows[i])
             hidden = b.linear(attn, layer.o_proj, layer.o_bias)
+            if layer.attn_conv is not None:
+                hidden = layer.attn_conv.finish(b, hidden, attn_coeff, block)
             hidden, residual = b.add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
+            if layer.mlp_conv is not None:
+                hidden, mlp_coeff = layer.mlp_conv.prepare(b, hidden, block)
             hidden = b.linear(b.silu_mul(b.linear(hidden, layer.gate_up)), layer.down)
+            if layer.mlp_conv is not None:
+                hidden = layer.mlp_conv.finish(b, hidden, mlp_coeff, block)
         hidden, _ = b.add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)
         return hidden

@@ -11,7 +11,7 @@ from typing import Any
 from cudflash.backends.base import Backend
 from cudflash.config import TargetConfig
 from cudflash.models.batch import ForwardBatch, KVCache
-from cudflash.models.weights import WeightLoader
+from cudflash.models.weights import RandomWeights, WeightLoader
 from cudflash.rope import rope_tables
 
 
@@ -30,7 +30,7 @@ class TargetLayer:
 
 
 class TargetModel:
-    def __init__(self, cfg: TargetConfig, loader: WeightLoader, backend: Backend, max_positions: int):
+    def __init__(self, cfg: TargetConfig, loader: WeightLoader | RandomWeights, backend: Backend, max_positions: int):
         self.cfg, self.b = cfg, backend
         H, D, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         q_dim, kv_dim = cfg.num_heads * D, cfg.num_kv_heads * D
@@ -57,7 +57,7 @@ class TargetModel:
                 down=loader.get(p + "mlp.down_proj.weight", (H, I)),
             ))
         self.norm = loader.get("model.norm.weight", (H,))  # [H]
-        if cfg.tie_word_embeddings and "lm_head.weight" not in loader.ckpt:
+        if cfg.tie_word_embeddings and not loader.has("lm_head.weight"):
             self.lm_head = self.embed_tokens  # [V, H], tied
         else:
             self.lm_head = loader.get("lm_head.weight", (cfg.vocab_size, H))  # [V, H]

@@ -1,0 +1,216 @@
+"""`cudflash bench`: per-step times of autoregressive and speculative decoding, measured with backend events.
+
+Synthetic models have the exact shapes of a real release (random bf16 weights made on the device), because a
+decode step's time depends on the shapes, not on the values. With random weights the drafter's proposals
+are almost never accepted, so tokens/s for them is a projection at a stated tau, labelled as such.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cudflash.engine.llm_engine import LLM
+from cudflash.engine.spec_decode import engine_step
+from cudflash.sampling_params import SamplingParams
+from cudflash.tiny import TinyShape, draft_config, target_config
+
+SYNTHETIC = {
+    "qwen3-8b": TinyShape(arch="qwen3", vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32,
+                          num_kv_heads=8, head_dim=128, intermediate_size=12288, tie_word_embeddings=False,
+                          max_position_embeddings=40960, draft_layers=5, block_size=16,
+                          target_layer_ids=[1, 9, 17, 25, 33], mask_token_id=151669, eos_token_id=151645),
+    "qwen3-4b": TinyShape(arch="qwen3", vocab_size=151936, hidden_size=2560, num_layers=36, num_heads=32,
+                          num_kv_heads=8, head_dim=128, intermediate_size=9728, tie_word_embeddings=True,
+                          max_position_embeddings=40960, draft_layers=5, block_size=16,
+                          target_layer_ids=[1, 9, 17, 25, 33], mask_token_id=151669, eos_token_id=151645),
+    "tiny": TinyShape(num_layers=4, target_layer_ids=[1, 2], block_size=16, max_position_embeddings=4096),
+}
+PROJECTED_TAU = 6.5
+
+
+def write_synthetic_configs(name: str, folder: Path) -> tuple[Path, Path]:
+    shape = SYNTHETIC[name]
+    target, draft = folder / "target", folder / "drafter"
+    for path, cfg in ((target, target_config(shape)), (draft, draft_config(shape))):
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(cfg))
+    return target, draft
+
+
+@dataclass
+class BatchResult:
+    batch: int
+    prompt_len: int
+    block: int
+    prefill_ms: float  # all prompts of the batch (= time to first token at batch 1)
+    ar_step_ms: float
+    propose_ms: float
+    verify_ms: float
+    accept_ms: float
+    spec_step_ms: float
+    tau: float  # measured (real checkpoints) or projected (synthetic)
+    tau_measured: bool
+    ar_tokens_per_s: float
+    spec_tokens_per_s: float
+    verify_gb_per_s: float
+    propose_gb_per_s: float
+    ar_gb_per_s: float
+    gpu: dict[str, Any] = field(default_factory=dict)
+
+
+def weight_bytes(obj: Any) -> int:
+    """Bytes of every array reachable from a model object (each array counted once)."""
+    seen: set[int] = set()
+
+    def walk(x: Any) -> int:
+        if hasattr(x, "nbytes") and hasattr(x, "shape"):
+            if id(x) in seen:
+                return 0
+            seen.add(id(x))
+            return int(x.nbytes)
+        if isinstance(x, (list, tuple)):
+            return sum(walk(v) for v in x)
+        if hasattr(x, "__dataclass_fields__"):
+            return sum(walk(getattr(x, f)) for f in x.__dataclass_fields__)
+        return 0
+
+    return sum(walk(v) for k, v in vars(obj).items() if not k.startswith("rope"))
+
+
+class PhaseTimer:
+    """Backend events at the phase boundaries of each engine step; read after one synchronize."""
+
+    def __init__(self, backend):
+        self.b, self.steps = backend, []
+
+    def start(self) -> None:
+        self.steps.append({"start": self.b.event()})
+
+    def __call__(self, phase: str) -> None:
+        self.steps[-1][phase] = self.b.event()
+
+    def mean_ms(self, a: str, z: str) -> float:
+        return statistics.mean(self.b.elapsed_ms(s[a], s[z]) for s in self.steps)
+
+
+def gpu_readings() -> dict[str, Any]:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+        return {"power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1000,
+                "sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+                "memory_used_gib": mem.used / 2**30, "name": pynvml.nvmlDeviceGetName(h)}
+    except Exception:  # no NVML (CPU backend, or the library is missing): report nothing rather than guess
+        return {}
+
+
+def copy_bandwidth_gb_s(backend) -> float | None:
+    """Device-to-device copy, bytes read + written, the ceiling every GB/s figure is compared with."""
+    if backend.name != "cuda":
+        return None
+    import cupy
+
+    n = 2 * 2**30
+    a, b = cupy.empty(n, dtype=cupy.uint8), cupy.empty(n, dtype=cupy.uint8)
+    a.fill(1)
+    for _ in range(3):
+        b[...] = a
+    start = backend.event()
+    for _ in range(10):
+        b[...] = a
+    end = backend.event()
+    backend.synchronize()
+    return 2 * n * 10 / (backend.elapsed_ms(start, end) * 1e-3) / 1e9
+
+
+def bench_batch(llm: LLM, batch: int, prompt_len: int, steps: int, warmup: int, measured_tau: bool) -> BatchResult:
+    b, runner, sched = llm.backend, llm.runner, llm.scheduler
+    rng = np.random.default_rng(batch)
+    vocab = llm.target_cfg.vocab_size
+    params = SamplingParams(max_tokens=prompt_len + 2 * (steps + warmup) * llm.block_size + 8, ignore_eos=True)
+    ids = [llm.add_request(rng.integers(2, vocab - 2, prompt_len).tolist(), params) for _ in range(batch)]
+    seqs = [llm.requests[i] for i in ids]
+    b.synchronize()
+    start = b.event()
+    while any(s.is_prefilling or not s.output_ids for s in seqs):
+        engine_step(runner, sched.schedule(), llm.block_size, llm.proposer)
+    end = b.event()
+    b.synchronize()
+    prefill_ms = b.elapsed_ms(start, end)
+
+    def run(block: int) -> PhaseTimer:
+        timer = PhaseTimer(b)
+        for i in range(warmup + steps):
+            plan = sched.schedule()
+            assert len(plan.decodes) == batch and not plan.prefills
+            if i == warmup:
+                timer.steps.clear()
+            timer.start()
+            engine_step(runner, plan, block, llm.proposer, timer)
+        b.synchronize()
+        return timer
+
+    spec_timer = run(llm.block_size)
+    accepted = [a for s in seqs for a in s.acceptance_lengths[-steps:]]
+    ar_timer = run(1)
+    for i in ids:
+        llm.abort(i)
+        llm.requests.pop(i)
+    tau = statistics.mean(accepted) if measured_tau else PROJECTED_TAU
+    spec_ms, ar_ms = spec_timer.mean_ms("start", "accept"), ar_timer.mean_ms("start", "accept")
+    propose_ms = spec_timer.mean_ms("start", "propose")
+    verify_ms = spec_timer.mean_ms("propose", "verify")
+    target_bytes, draft_bytes = weight_bytes(runner.target), weight_bytes(runner.draft)
+    lm_head_bytes = int(runner.target.lm_head.nbytes)
+    return BatchResult(
+        batch=batch, prompt_len=prompt_len, block=llm.block_size, prefill_ms=prefill_ms, ar_step_ms=ar_ms,
+        propose_ms=propose_ms, verify_ms=verify_ms, accept_ms=spec_timer.mean_ms("verify", "accept"),
+        spec_step_ms=spec_ms, tau=tau, tau_measured=measured_tau,
+        ar_tokens_per_s=batch / ar_ms * 1e3, spec_tokens_per_s=batch * tau / spec_ms * 1e3,
+        verify_gb_per_s=target_bytes / verify_ms / 1e6, propose_gb_per_s=(draft_bytes + lm_head_bytes) / propose_ms / 1e6,
+        ar_gb_per_s=target_bytes / ar_ms / 1e6, gpu=gpu_readings(),
+    )
+
+
+def format_table(results: list[BatchResult], copy_gb_s: float | None) -> str:
+    head = (f"{'batch':>5} {'prompt':>6} {'prefill':>9} {'AR step':>8} {'propose':>8} {'verify':>8} {'accept':>7} "
+            f"{'spec step':>9} {'tau':>9} {'AR tok/s':>9} {'spec tok/s':>10} {'verify GB/s':>11} {'% copy':>6}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        pct = f"{100 * r.verify_gb_per_s / copy_gb_s:5.0f}%" if copy_gb_s else "     -"
+        tau = f"{r.tau:.2f}" + ("" if r.tau_measured else " proj")
+        lines.append(f"{r.batch:>5} {r.prompt_len:>6} {r.prefill_ms:>7.2f}ms {r.ar_step_ms:>6.2f}ms "
+                     f"{r.propose_ms:>6.2f}ms {r.verify_ms:>6.2f}ms {r.accept_ms:>5.2f}ms {r.spec_step_ms:>7.2f}ms "
+                     f"{tau:>9} {r.ar_tokens_per_s:>9.1f} {r.spec_tokens_per_s:>10.1f} {r.verify_gb_per_s:>11.1f} {pct}")
+    if copy_gb_s:
+        lines.append(f"measured device copy bandwidth: {copy_gb_s:.0f} GB/s (read + write)")
+    if results and not results[0].tau_measured:
+        lines.append(f"synthetic weights: spec tok/s is a projection at tau {PROJECTED_TAU} (batch x tau / step time)")
+    return "\n".join(lines)
+
+
+def run_bench(args) -> str:
+    synthetic = args.synthetic is not None
+    folder = tempfile.mkdtemp(prefix="cudflash-bench-") if synthetic else None
+    target, draft = write_synthetic_configs(args.synthetic, Path(folder)) if synthetic else (args.target, args.draft)
+    batches = [int(x) for x in str(args.batch).split(",")]
+    llm = LLM(target, draft=draft, backend=args.backend, block_size=args.block_size, max_num_seqs=max(batches),
+              max_num_batched_tokens=max(8192, args.prompt_len * max(batches)), random_weights=synthetic,
+              progress=not synthetic, memory_utilization=args.gpu_memory_utilization)
+    copy = copy_bandwidth_gb_s(llm.backend)
+    results = [bench_batch(llm, n, args.prompt_len, args.steps, args.warmup, measured_tau=not synthetic)
+               for n in batches]
+    if args.json is not None:
+        Path(args.json).write_text(json.dumps({"backend": llm.backend.name, "model": args.synthetic or str(target),
+                                               "copy_gb_per_s": copy, "results": [asdict(r) for r in results]},
+                                              indent=2))
+    return format_table(results, copy)
