@@ -9,14 +9,17 @@ import pytest
 from cudflash.engine.sequence import Sequence
 from cudflash.sampling_params import SamplingParams
 
-TINY_PAIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "models" / "tiny-code-pair"
+ROOT = Path(__file__).resolve().parents[1]
+# The shared tiny pair beside the checkout; a copy in .cache/ where ../shared does not travel (the GPU machine).
+TINY_PAIR_PLACES = [ROOT / ".." / "shared" / "models" / "tiny-code-pair", ROOT / ".cache" / "tiny-code-pair"]
 
 
 @pytest.fixture(scope="session")
 def tiny_pair() -> Path:
-    if not (TINY_PAIR / "golden_dev.jsonl").is_file():
-        pytest.skip("../shared/models/tiny-code-pair is absent")
-    return TINY_PAIR.resolve()
+    for place in TINY_PAIR_PLACES:
+        if (place / "golden_dev.jsonl").is_file():
+            return place.resolve()
+    pytest.skip("../shared/models/tiny-code-pair is absent")
 
 
 @pytest.fixture(scope="session")

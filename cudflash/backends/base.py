@@ -60,8 +60,10 @@ class Backend(Protocol):
     # ---- ops
     def embedding(self, ids: Any, table: Any) -> Any: ...  # [T] i32, [V, H] -> [T, H]
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any: ...
+    # (norm(x + residual), x + residual); the residual stream is float32 on every backend
     def add_rms_norm(self, x: Any, residual: Any, weight: Any, eps: float) -> tuple[Any, Any]: ...
-    def linear(self, x: Any, weight: Any, bias: Any | None = None) -> Any: ...  # x @ weight.T (+ bias)
+    def linear(self, x: Any, weight: Any, bias: Any | None = None,
+               out_f32: bool = False) -> Any: ...  # x @ weight.T (+ bias); out_f32: float32 output (logits)
     def silu_mul(self, gate_up: Any) -> Any: ...  # [T, 2I] -> silu(gate) * up, [T, I]
     def add(self, a: Any, b: Any) -> Any: ...
     def head_norm_rope(self, x: Any, head_dim: int, positions: Any, cos: Any, sin: Any,

@@ -68,7 +68,8 @@ class NumpyBackend:
         residual = x + residual
         return self.rms_norm(residual, weight, eps), residual
 
-    def linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    def linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None,
+               out_f32: bool = False) -> np.ndarray:
         y = x @ weight.T
         return y + bias if bias is not None else y
 

@@ -87,9 +87,9 @@ class TargetModel:
                                  self.rope_sin, layer.k_norm, cfg.rms_norm_eps)
             b.store_kv(k, qkv[:, q_dim + kv_dim:], kv.k[i], kv.v[i], batch.slots)
             attn = b.attention(q, kv.k[i], kv.v[i], batch.meta, self.scale, causal=True)
-            hidden = b.linear(attn, layer.o_proj, layer.o_bias)
+            hidden = b.linear(attn, layer.o_proj, layer.o_bias, out_f32=True)  # feeds the float32 residual
             hidden, residual = b.add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
-            hidden = b.linear(b.silu_mul(b.linear(hidden, layer.gate_up)), layer.down)
+            hidden = b.linear(b.silu_mul(b.linear(hidden, layer.gate_up)), layer.down, out_f32=True)
             if tap_layers and i in tap_layers:
                 taps[i] = b.add(hidden, residual)
         hidden, _ = b.add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)
@@ -98,4 +98,4 @@ class TargetModel:
         return hidden, None
 
     def logits(self, hidden: Any) -> Any:
-        return self.b.linear(hidden, self.lm_head)
+        return self.b.linear(hidden, self.lm_head, out_f32=True)  # float32 logits: no bf16 ties at argmax

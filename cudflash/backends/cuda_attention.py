@@ -1,0 +1,133 @@
+"""Paged attention on the GPU: metadata upload, launch-shape choice and split-K for kernels/attention.cu.
+
+One kernel serves all three forms (prefill, decode / verify, drafter): the G query heads sharing a KV head are
+packed as rows, so the shape of the problem is only `max_q_len * G` packed rows per (sequence, KV head):
+- many rows (prefill, or verify with big GQA groups): 64-row tiles, each warp owns 16 rows (WM=4, WN=1);
+- few rows (decode, short verify, the drafter's block): a 16- or 32-row tile, the warps split the keys of
+  each K/V tile instead (WN=4 or 2) and merge at the end, so no warp idles.
+When that leaves the GPU under-filled (few sequences x KV heads), the key range is also split across CTAs
+(split-K) and a second small kernel merges the partial results by their log-sum-exp.
+Every decision uses host-side integers from AttentionMeta, so nothing here synchronises with the device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cupy
+import numpy as np
+
+from cudflash.backends import kernel_loader
+from cudflash.backends.base import AttentionMeta
+from cudflash.backends.cuda_util import act_dtype, cdiv, f32, i32, i64, vec_rows
+from cudflash.errors import BackendError
+
+BN = 64  # keys per K/V tile (ATTN_BN in attention.cu)
+THREADS = 128
+HEAD_DIMS = (64, 128, 256)
+MAX_SPLITS = 64
+
+
+@dataclass(slots=True)
+class DeviceMeta:
+    cu_seqlens: cupy.ndarray  # int32 [n + 1]
+    context_lens: cupy.ndarray  # int32 [n]
+    block_tables: cupy.ndarray  # int32 [n, max_blocks]
+
+
+def upload_meta(meta: AttentionMeta) -> DeviceMeta:
+    return DeviceMeta(
+        cupy.asarray(np.ascontiguousarray(meta.cu_seqlens_q, dtype=np.int32)),
+        cupy.asarray(np.ascontiguousarray(meta.context_lens, dtype=np.int32)),
+        cupy.asarray(np.ascontiguousarray(meta.block_tables, dtype=np.int32)),
+    )
+
+
+def _layouts(d: int) -> tuple[str, ...]:
+    return (f"attn_fwd<{d}, 4, 1>", f"attn_fwd<{d}, 2, 2>", f"attn_fwd<{d}, 1, 4>", f"attn_combine<{d}>")
+
+
+_smem_raised: set[tuple[int, int, int]] = set()
+
+
+def _forward_kernel(d: int, wm: int, wn: int, smem: int) -> cupy.RawKernel:
+    names = _layouts(d)
+    kern = kernel_loader.function("attention", f"attn_fwd<{d}, {wm}, {wn}>", names)
+    if smem > 48 * 1024 and (d, wm, wn) not in _smem_raised:
+        kern.max_dynamic_shared_size_bytes = smem  # opt in to more than the default 48 KiB
+        _smem_raised.add((d, wm, wn))
+    return kern
+
+
+def choose_layout(packed_rows: int) -> tuple[int, int]:
+    """(WM, WN): warps along rows x warps along keys, for the longest run of packed query rows."""
+    if packed_rows <= 16:
+        return 1, 4
+    if packed_rows <= 32:
+        return 2, 2
+    return 4, 1
+
+
+_occupancy: dict[tuple[int, int], int] = {}
+
+
+def ctas_per_sm(kern: cupy.RawKernel, smem: int) -> int:
+    """Resident CTAs of this kernel per SM, from its register count and shared memory (Hopper limits)."""
+    key = (id(kern), smem)
+    if key not in _occupancy:  # a driver query per attribute: do it once per kernel
+        regs = max(1, int(kern.attributes.get("num_regs", 255)))
+        by_regs = 65536 // (-(-regs // 8) * 8 * THREADS)
+        by_smem = (228 * 1024) // (smem + 1024)  # 1 KiB per CTA is reserved by the system
+        _occupancy[key] = max(1, min(by_regs, by_smem, 16))
+    return _occupancy[key]
+
+
+def choose_splits(base_ctas: int, max_context: int, slots: int) -> int:
+    """How many CTAs share one key range: fill the resident slots once (a second, mostly idle wave costs more
+    than it saves), each split keeping at least 2 K/V tiles."""
+    ktiles = cdiv(max_context, BN)
+    if base_ctas * 2 > slots or ktiles < 4:
+        return 1
+    return max(1, min(slots // base_ctas, ktiles // 2, MAX_SPLITS))
+
+
+def attention(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, meta: AttentionMeta, scale: float,
+              causal: bool, window: int, num_sms: int) -> cupy.ndarray:
+    _, block_size, hk, d = k_cache.shape
+    if d not in HEAD_DIMS:
+        raise BackendError(f"cuda attention: head_dim {d} unsupported (expected one of {HEAD_DIMS})")
+    if v_cache.shape != k_cache.shape or not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+        raise BackendError("cuda attention: k_cache and v_cache must be contiguous and of one shape")
+    q, sq = vec_rows(q, "attention q")
+    t, width = q.shape
+    hq = width // d
+    if hq * d != width or hq % hk:
+        raise BackendError(f"cuda attention: q width {width} is not a multiple of {hk} KV heads x head_dim {d}")
+    out = cupy.empty((t, width), dtype=act_dtype())
+    if t == 0:
+        return out
+    if meta.device is None:
+        meta.device = upload_meta(meta)
+    dm: DeviceMeta = meta.device
+    n = len(meta.context_lens)
+    group = hq // hk
+    wm, wn = choose_layout(meta.max_q_len * group)
+    bm = 16 * wm
+    qtiles = cdiv(meta.max_q_len * group, bm)
+    smem = (bm * d + 4 * BN * d) * 2  # Q tile + double-buffered K and V tiles, bf16
+    kern = _forward_kernel(d, wm, wn, smem)
+    nsplit = choose_splits(qtiles * n * hk, meta.max_context_len, num_sms * ctas_per_sm(kern, smem))
+    if nsplit > 1:
+        o_part = cupy.empty((nsplit, t, hq, d), dtype=cupy.float32)  # per-split normalised outputs
+        lse_part = cupy.empty((nsplit, t, hq), dtype=cupy.float32)  # per-split log2-sum-exp
+    else:
+        o_part = lse_part = cupy.empty((1,), dtype=cupy.float32)  # unused placeholders
+    kern((qtiles, n * hk, nsplit), (THREADS,),
+         (q, i64(sq), k_cache, v_cache, dm.cu_seqlens, dm.context_lens, dm.block_tables,
+          i32(dm.block_tables.shape[1]), i32(block_size), i32(hq), i32(hk), f32(scale), i32(1 if causal else 0),
+          i32(max(0, int(window))), i32(nsplit), i32(t), out, o_part, lse_part),
+         shared_mem=smem)
+    if nsplit > 1:
+        rows = t * hq
+        combine = kernel_loader.function("attention", f"attn_combine<{d}>", _layouts(d))
+        combine((cdiv(rows, THREADS // 32),), (THREADS,), (o_part, lse_part, out, i32(rows), i32(nsplit)))
+    return out

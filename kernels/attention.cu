@@ -1,0 +1,368 @@
+// attention.cu: paged attention for prefill, decode / verify and the drafter, flash-attention style on bf16
+// tensor cores (mma.sync m16n8k16, float32 accumulation, online softmax in float32 / base 2).
+//
+// Layout: q [T, Hq * D] bf16 with row stride sq (elements); out [T, Hq * D] bf16 contiguous;
+//   k_cache, v_cache [num_blocks, block_size, Hk, D] bf16; cu_seqlens int32 [n + 1]; context_lens int32 [n];
+//   block_tables int32 [n, max_blocks]. Query row i of sequence s sits at position ctx_s - qlen_s + i and sees
+//   key j iff j < ctx_s, (causal: j <= pos) and (window > 0: j > pos - window).
+// Packed GQA: the G = Hq / Hk query heads that share KV head h become rows of one problem: packed row r of
+//   (s, h) is query token r / G, head h * G + r % G. One CTA's K/V tile serves all G heads (read once).
+// Grid: x = tile of BM = 16 * WM packed rows (reversed, so the heaviest causal tiles start first),
+//   y = s * Hk + h, z = split of the key range (split-K for short query runs over long contexts).
+// Block: 128 threads = 4 warps arranged WM (rows) x WN (keys). Warp (wm, wn) owns packed rows
+//   16 wm .. 16 wm + 15 and keys wn * BN / WN .. of every BN-key tile, with its own running (max, sum, O);
+//   when WN > 1 (query runs too short to give every warp its own rows) the warps' partial states are merged
+//   through shared memory at the end. All 128 threads stream K/V tiles with cp.async, double-buffered.
+// Shared memory: Q [BM][D], K [2][BN][D], V [2][BN][D], rows of D bf16 stored as 16-byte chunks XOR-swizzled
+//   by (row & 7), so ldmatrix reads and cp.async writes are free of bank conflicts.
+// Output: nsplit == 1 writes bf16 out directly; otherwise each split writes its normalised float32 partial
+//   o_part [nsplit, T, Hq, D] and log2-sum-exp lse_part [nsplit, T, Hq], and attn_combine merges them.
+#include "common.cuh"
+
+#define ATTN_BN 64
+#define ATTN_THREADS 128
+#define LOG2E 1.4426950408889634f
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+// 16-byte async copy global -> shared; pred == false writes zeros (src is then never read).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool pred) {
+    const int n = pred ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3,
+                                                  const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(smem_addr(p)));
+}
+
+// c[16x8] += a[16x16] * b[16x8], bf16 in, float32 accumulate.
+__device__ __forceinline__ void mma_bf16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Element offset of (row, 16-byte chunk) in a swizzled [rows][D] bf16 tile.
+template <int D>
+__device__ __forceinline__ int swz(int row, int chunk) {
+    return row * D + ((chunk ^ (row & 7)) << 3);
+}
+
+template <int D, int WM, int WN>
+__global__ void __launch_bounds__(ATTN_THREADS)
+attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_cache,
+         const bf16* __restrict__ v_cache, const int* __restrict__ cu_seqlens, const int* __restrict__ context_lens,
+         const int* __restrict__ block_tables, int max_blocks, int block_size, int Hq, int Hk, float scale,
+         int causal, int window, int nsplit, int T, bf16* __restrict__ out, float* __restrict__ o_part,
+         float* __restrict__ lse_part) {
+    static_assert(WM * WN == 4, "4 warps");
+    constexpr int BN = ATTN_BN;
+    constexpr int BM = 16 * WM;
+    constexpr int KW = BN / WN;   // keys per warp per tile
+    constexpr int NS = KW / 8;    // S accumulator n-tiles per warp
+    constexpr int NO = D / 8;     // O accumulator n-tiles
+    constexpr int CPR = D / 8;    // 16-byte chunks per row
+    static_assert(KW % 16 == 0 && D % 64 == 0, "tile shape");
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    bf16* sQ = reinterpret_cast<bf16*>(smem_raw);  // [BM][D]
+    bf16* sK = sQ + BM * D;                        // [2][BN][D]
+    bf16* sV = sK + 2 * BN * D;                    // [2][BN][D]
+
+    const int G = Hq / Hk;
+    const int s = blockIdx.y / Hk, kvh = blockIdx.y % Hk;
+    const int q0 = cu_seqlens[s];
+    const int qlen = cu_seqlens[s + 1] - q0;
+    const int R = qlen * G;  // packed rows of this (sequence, kv head)
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;
+    if (m0 >= R) return;
+    const int ctx = context_lens[s];
+    const int pos0 = ctx - qlen;
+    const int p_lo = pos0 + m0 / G;                    // first and last query positions in this tile
+    const int p_hi = pos0 + (min(m0 + BM, R) - 1) / G;
+    const int kend = causal ? min(p_hi + 1, ctx) : ctx;
+    const int kbeg = window > 0 ? max(0, p_lo - window + 1) : 0;
+    const int ntiles = kend > kbeg ? (kend - kbeg + BN - 1) / BN : 0;
+    const int t_beg = (int)(((long long)ntiles * blockIdx.z) / nsplit);
+    const int t_end = (int)(((long long)ntiles * (blockIdx.z + 1)) / nsplit);
+    const int* table = block_tables + (long long)s * max_blocks;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int wm = warp / WN, wn = warp % WN;
+    const int g8 = lane >> 2, t4 = lane & 3;  // mma fragment coordinates
+    const int ra = m0 + wm * 16 + g8;         // this thread's two packed rows: ra and ra + 8
+    const int pa = pos0 + ra / G, pb = pos0 + (ra + 8) / G;
+    const float sl2 = scale * LOG2E;
+
+    auto load_kv = [&](int tile, int buf) {
+        const int kv0 = kbeg + tile * BN;
+#pragma unroll
+        for (int i = 0; i < BN * CPR / ATTN_THREADS; ++i) {
+            const int idx = tid + i * ATTN_THREADS;
+            const int row = idx / CPR, ch = idx % CPR;
+            const int j = kv0 + row;
+            const bool ok = j < kend;
+            long long off = 0;
+            if (ok) {
+                const long long slot = (long long)table[j / block_size] * block_size + j % block_size;
+                off = (slot * Hk + kvh) * D + ch * 8;
+            }
+            cp_async16(sK + buf * BN * D + swz<D>(row, ch), k_cache + off, ok);
+            cp_async16(sV + buf * BN * D + swz<D>(row, ch), v_cache + off, ok);
+        }
+    };
+
+    float o[NO][4];
+#pragma unroll
+    for (int i = 0; i < NO; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float m_r[2] = {-CF_INF, -CF_INF};  // running max of this thread's two rows (log2 domain)
+    float l_r[2] = {0.f, 0.f};          // running sum, partial over this thread's columns
+
+    if (t_beg < t_end) {
+        for (int idx = tid; idx < BM * CPR; idx += ATTN_THREADS) {
+            const int row = idx / CPR, ch = idx % CPR;
+            const int r = m0 + row;
+            const bool ok = r < R;
+            const bf16* src = q;
+            if (ok) src = q + (long long)(q0 + r / G) * sq + (kvh * G + r % G) * D + ch * 8;
+            cp_async16(sQ + swz<D>(row, ch), src, ok);
+        }
+        load_kv(t_beg, 0);
+    }
+    cp_async_commit();
+
+    for (int tile = t_beg; tile < t_end; ++tile) {
+        const int buf = (tile - t_beg) & 1;
+        if (tile + 1 < t_end) load_kv(tile + 1, buf ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+
+        const bf16* Kt = sK + buf * BN * D;
+        const bf16* Vt = sV + buf * BN * D;
+        const int kv0 = kbeg + tile * BN;
+
+        // S = Q K^T for this warp's 16 rows x KW keys.
+        float sacc[NS][4];
+#pragma unroll
+        for (int i = 0; i < NS; ++i) sacc[i][0] = sacc[i][1] = sacc[i][2] = sacc[i][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            unsigned a0, a1, a2, a3;
+            ldmatrix_x4(a0, a1, a2, a3, sQ + swz<D>(wm * 16 + (lane & 15), ks * 2 + (lane >> 4)));
+#pragma unroll
+            for (int np = 0; np < NS / 2; ++np) {
+                unsigned b0, b1, b2, b3;
+                const int key = wn * KW + np * 16 + (lane & 7) + ((lane >> 4) << 3);
+                ldmatrix_x4(b0, b1, b2, b3, Kt + swz<D>(key, ks * 2 + ((lane >> 3) & 1)));
+                mma_bf16(sacc[2 * np], a0, a1, a2, a3, b0, b1);
+                mma_bf16(sacc[2 * np + 1], a0, a1, a2, a3, b2, b3);
+            }
+        }
+
+        // Scale into the log2 domain and mask (only tiles that touch a boundary pay for the compares).
+        const bool need_mask = (kv0 + BN > ctx) || (causal && kv0 + BN - 1 > p_lo) ||
+                               (window > 0 && kv0 <= p_hi - window);
+        float mx[2] = {-CF_INF, -CF_INF};
+#pragma unroll
+        for (int i = 0; i < NS; ++i) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float v = sacc[i][e] * sl2;
+                if (need_mask) {
+                    const int j = kv0 + wn * KW + i * 8 + 2 * t4 + (e & 1);
+                    const int p = e < 2 ? pa : pb;
+                    const bool vis = j < ctx && (!causal || j <= p) && (window <= 0 || j > p - window);
+                    v = vis ? v : -CF_INF;
+                }
+                sacc[i][e] = v;
+                mx[e >> 1] = fmaxf(mx[e >> 1], v);
+            }
+        }
+        float corr[2], m_use[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            const float m_new = fmaxf(m_r[r], mx[r]);
+            m_use[r] = m_new == -CF_INF ? 0.f : m_new;  // a row with nothing visible yet stays all-zero
+            corr[r] = exp2f(m_r[r] - m_use[r]);
+            m_r[r] = m_new;
+            l_r[r] *= corr[r];
+        }
+#pragma unroll
+        for (int i = 0; i < NO; ++i) {
+            o[i][0] *= corr[0];
+            o[i][1] *= corr[0];
+            o[i][2] *= corr[1];
+            o[i][3] *= corr[1];
+        }
+#pragma unroll
+        for (int i = 0; i < NS; ++i) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float pv = exp2f(sacc[i][e] - m_use[e >> 1]);
+                sacc[i][e] = pv;
+                l_r[e >> 1] += pv;
+            }
+        }
+
+        // O += P V: the S accumulators of key n-tiles 2kk, 2kk+1 are exactly the A fragment of k-step kk.
+#pragma unroll
+        for (int kk = 0; kk < KW / 16; ++kk) {
+            const unsigned a0 = pack_bf16x2(sacc[2 * kk][0], sacc[2 * kk][1]);
+            const unsigned a1 = pack_bf16x2(sacc[2 * kk][2], sacc[2 * kk][3]);
+            const unsigned a2 = pack_bf16x2(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]);
+            const unsigned a3 = pack_bf16x2(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3]);
+            const int key = wn * KW + kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                unsigned b0, b1, b2, b3;
+                ldmatrix_x4_trans(b0, b1, b2, b3, Vt + swz<D>(key, dp * 2 + (lane >> 4)));
+                mma_bf16(o[2 * dp], a0, a1, a2, a3, b0, b1);
+                mma_bf16(o[2 * dp + 1], a0, a1, a2, a3, b2, b3);
+            }
+        }
+        __syncthreads();  // everyone is done with this buffer before the next iteration refills it
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 1);
+        l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 2);
+    }
+
+    if (WN > 1) {
+        // Merge the WN warps that share rows: each publishes (m, l, O) in its fragment layout, warp wn == 0
+        // of each row group combines. The K/V buffers are free now and are large enough (4 x 16 x D floats).
+        __syncthreads();
+        float* sO = reinterpret_cast<float*>(smem_raw);  // [4 warps][16 rows][D]
+        float* sM = sO + 4 * 16 * D;                     // [4 warps][16 rows]
+        float* sL = sM + 4 * 16;                         // [4 warps][16 rows]
+        float* my = sO + warp * 16 * D;
+#pragma unroll
+        for (int i = 0; i < NO; ++i) {
+            const int col = i * 8 + 2 * t4;
+            *reinterpret_cast<float2*>(my + g8 * D + col) = make_float2(o[i][0], o[i][1]);
+            *reinterpret_cast<float2*>(my + (g8 + 8) * D + col) = make_float2(o[i][2], o[i][3]);
+        }
+        if (t4 == 0) {
+            sM[warp * 16 + g8] = m_r[0];
+            sM[warp * 16 + g8 + 8] = m_r[1];
+            sL[warp * 16 + g8] = l_r[0];
+            sL[warp * 16 + g8 + 8] = l_r[1];
+        }
+        __syncthreads();
+        if (wn != 0) return;
+        float w[WN][2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mm = -CF_INF;
+#pragma unroll
+            for (int u = 0; u < WN; ++u) mm = fmaxf(mm, sM[(warp + u) * 16 + g8 + 8 * r]);
+            const float mu = mm == -CF_INF ? 0.f : mm;
+            float ll = 0.f;
+#pragma unroll
+            for (int u = 0; u < WN; ++u) {
+                w[u][r] = exp2f(sM[(warp + u) * 16 + g8 + 8 * r] - mu);
+                ll += w[u][r] * sL[(warp + u) * 16 + g8 + 8 * r];
+            }
+            m_r[r] = mm;
+            l_r[r] = ll;
+        }
+#pragma unroll
+        for (int i = 0; i < NO; ++i) {
+            const int col = i * 8 + 2 * t4;
+            float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int u = 0; u < WN; ++u) {
+                const float* other = sO + (warp + u) * 16 * D;
+                const float2 x = *reinterpret_cast<const float2*>(other + g8 * D + col);
+                const float2 y = *reinterpret_cast<const float2*>(other + (g8 + 8) * D + col);
+                acc[0] += w[u][0] * x.x;
+                acc[1] += w[u][0] * x.y;
+                acc[2] += w[u][1] * y.x;
+                acc[3] += w[u][1] * y.y;
+            }
+            o[i][0] = acc[0];
+            o[i][1] = acc[1];
+            o[i][2] = acc[2];
+            o[i][3] = acc[3];
+        }
+    }
+
+    // Write this thread's two rows.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = ra + 8 * r;
+        if (row >= R) continue;
+        const long long t = q0 + row / G;
+        const int head = kvh * G + row % G;
+        const float inv = l_r[r] > 0.f ? 1.f / l_r[r] : 0.f;
+        if (nsplit == 1) {
+            bf16* dst = out + (t * Hq + head) * D;
+#pragma unroll
+            for (int i = 0; i < NO; ++i)
+                *reinterpret_cast<unsigned*>(dst + i * 8 + 2 * t4) =
+                    pack_bf16x2(o[i][2 * r] * inv, o[i][2 * r + 1] * inv);
+        } else {
+            const long long prow = ((long long)blockIdx.z * T + t) * Hq + head;
+            float* dst = o_part + prow * D;
+#pragma unroll
+            for (int i = 0; i < NO; ++i)
+                *reinterpret_cast<float2*>(dst + i * 8 + 2 * t4) = make_float2(o[i][2 * r] * inv, o[i][2 * r + 1] * inv);
+            if (t4 == 0) lse_part[prow] = l_r[r] > 0.f ? m_r[r] + log2f(l_r[r]) : -CF_INF;
+        }
+    }
+}
+
+// attn_combine<D>: out[t, h] = sum_s w_s o_part[s, t, h] / sum_s w_s, w_s = 2^(lse_s - max lse).
+// One warp per (t, h) row, D / 32 columns per lane; splits with lse = -inf (no visible key) are skipped,
+// so their unwritten-in-spirit zeros never matter.
+template <int D>
+__global__ void attn_combine(const float* __restrict__ o_part, const float* __restrict__ lse_part,
+                             bf16* __restrict__ out, int rows, int nsplit) {
+    constexpr int PER = D / 32;
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    float mx = -CF_INF;
+    for (int sp = lane; sp < nsplit; sp += 32) mx = fmaxf(mx, lse_part[(long long)sp * rows + row]);
+    mx = warp_max(mx);
+    float acc[PER];
+#pragma unroll
+    for (int e = 0; e < PER; ++e) acc[e] = 0.f;
+    float wsum = 0.f;
+    for (int sp = 0; sp < nsplit; ++sp) {
+        const float lse = lse_part[(long long)sp * rows + row];
+        if (lse == -CF_INF) continue;
+        const float w = exp2f(lse - mx);
+        wsum += w;
+        const float* src = o_part + ((long long)sp * rows + row) * D + lane * PER;
+#pragma unroll
+        for (int e = 0; e < PER; e += 2) {
+            const float2 v = *reinterpret_cast<const float2*>(src + e);
+            acc[e] += w * v.x;
+            acc[e + 1] += w * v.y;
+        }
+    }
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    bf16* dst = out + (long long)row * D + lane * PER;
+#pragma unroll
+    for (int e = 0; e < PER; e += 2) *reinterpret_cast<unsigned*>(dst + e) = pack_bf16x2(acc[e] * inv, acc[e + 1] * inv);
+}

@@ -1,0 +1,78 @@
+// common.cuh: helpers shared by every cudflash kernel.
+//
+// Storage is bf16 (__nv_bfloat16); all arithmetic is float32. Row-oriented kernels move 16 bytes (8 bf16)
+// per thread per access, so callers guarantee 16-byte aligned row starts (row stride % 8 == 0, base % 16
+// == 0) and widths that are multiples of 8; the Python wrappers check this and copy when it does not hold.
+// kernel_loader.py inlines this file into each kernel source, so the on-disk NVRTC cache key covers it.
+#pragma once
+#include <cuda_bf16.h>
+
+typedef __nv_bfloat16 bf16;
+typedef __nv_bfloat162 bf162;
+
+#define CF_INF __int_as_float(0x7f800000)
+
+// 16 bytes = 8 bf16 <-> 8 floats.
+__device__ __forceinline__ void unpack8(const uint4& v, float* f) {
+    const bf162* h = reinterpret_cast<const bf162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float2 t = __bfloat1622float2(h[i]);
+        f[2 * i] = t.x;
+        f[2 * i + 1] = t.y;
+    }
+}
+
+__device__ __forceinline__ uint4 pack8(const float* f) {
+    uint4 v;
+    bf162* h = reinterpret_cast<bf162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+    return v;
+}
+
+// Element c*8 .. c*8+7 of a row, as floats, from bf16 (one 16-byte load) or float32 (two) storage.
+__device__ __forceinline__ void load8(const bf16* row, int c, float* f) {
+    unpack8(reinterpret_cast<const uint4*>(row)[c], f);
+}
+__device__ __forceinline__ void load8(const float* row, int c, float* f) {
+    const float4 a = reinterpret_cast<const float4*>(row)[2 * c], b = reinterpret_cast<const float4*>(row)[2 * c + 1];
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+__device__ __forceinline__ void store8(bf16* row, int c, const float* f) {
+    reinterpret_cast<uint4*>(row)[c] = pack8(f);
+}
+__device__ __forceinline__ void store8(float* row, int c, const float* f) {
+    reinterpret_cast<float4*>(row)[2 * c] = make_float4(f[0], f[1], f[2], f[3]);
+    reinterpret_cast<float4*>(row)[2 * c + 1] = make_float4(f[4], f[5], f[6], f[7]);
+}
+
+// Two floats -> one 32-bit register of two bf16 (the lower index in the low half), the mma operand format.
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+    bf162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // partial[] may still be read by a previous call
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    float t = lane < nwarps ? partial[lane] : 0.f;
+    return warp_sum(t);
+}

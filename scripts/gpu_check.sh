@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The whole GPU check in one go, on a machine with a CUDA device and CuPy:
+#   the GPU test suite (ops, models against numpy, goldens), a short generate run, a summary table last.
+# Usage: scripts/gpu_check.sh   (the tiny pair is found in ../shared/models or .cache/)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+out=${OUT:-/tmp}
+pair=../shared/models/tiny-code-pair; [ -d "$pair" ] || pair=.cache/tiny-code-pair
+
+python3 -m pytest -q -s tests/gpu 2>&1 | tee "$out/gpu_tests.log"
+tests_rc=${PIPESTATUS[0]}
+
+python3 -m cudflash generate --backend cuda --target "$pair/target" --draft "$pair/drafter" \
+    --prompts <(python3 -c "import json; [print(json.dumps({'prompt_ids': p})) for p in json.load(open('$pair/prompts_dev.json'))['prompts']]") \
+    --max-new-tokens 128 --ignore-eos --output "$out/generate.jsonl" 2> "$out/generate.err"
+gen_rc=$?
+
+echo
+echo "================ cudflash GPU check ================"
+echo "commit   $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo ' (+ uncommitted changes)')"
+echo "device   $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+echo "cupy     $(python3 -c 'import cupy; print(cupy.__version__)')"
+echo "tests    $(tail -1 "$out/gpu_tests.log")"
+grep -E "exact|gpu tau" "$out/gpu_tests.log" | sed 's/^/         /'
+echo "generate $(tail -1 "$out/generate.err")"
+echo "===================================================="
+[ "$tests_rc" -eq 0 ] && [ "$gen_rc" -eq 0 ]

@@ -1,0 +1,110 @@
+"""The whole engine on the GPU (bf16): models against the numpy backend, and the tiny-code-pair goldens."""
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+import pytest
+
+from cudflash import LLM, SamplingParams
+from cudflash.engine.sequence import Sequence
+from cudflash.tiny import TinyShape, write_random_pair
+from tests.conftest import last_logits, top2_relative_gap
+
+MAX_NEW = 128
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module")
+def gpu_pair(tiny_pair):
+    return LLM(tiny_pair / "target", draft=tiny_pair / "drafter", backend="cuda")
+
+
+@pytest.fixture(scope="module")
+def cpu_pair(tiny_pair):
+    return LLM(tiny_pair / "target", draft=tiny_pair / "drafter", backend="cpu")
+
+
+def _forward_logits(llm: LLM, prompt: list[int], block: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Target logits over the prompt's last 8 rows, and drafter logits of `block` proposed after the prompt."""
+    runner, b = llm.runner, llm.backend
+    seq = Sequence(-1, list(prompt), SamplingParams())
+    runner.blocks.reserve(seq, len(prompt) + len(block))
+    try:
+        batch = runner.batch([seq], [list(prompt)], [0])
+        hidden, taps = runner.target_forward(batch)
+        target = b.to_numpy(runner.logits(hidden, np.arange(len(prompt) - 8, len(prompt)))).astype(np.float32)
+        runner.draft_context(taps, batch)
+        seq.num_cached = len(prompt)
+        draft_batch = runner.batch([seq], [block], [len(prompt)])
+        drafted = b.to_numpy(runner.logits(runner.draft_forward(draft_batch))).astype(np.float32)
+        return target, drafted
+    finally:
+        runner.blocks.free(seq)
+
+
+def test_target_and_drafter_logits_match_numpy(gpu_pair, cpu_pair, goldens):
+    mask = gpu_pair.draft_cfg.mask_token_id
+    for g in goldens[:4]:
+        block = [g["ar_ids"][0]] + [mask] * 15
+        gt, gd = _forward_logits(gpu_pair, g["prompt_ids"], block)
+        ct, cd = _forward_logits(cpu_pair, g["prompt_ids"], block)
+        print(f"logits vs numpy float32: target {_rel(gt, ct):.2e}, drafter {_rel(gd, cd):.2e}")
+        assert _rel(gt, ct) < 2e-2, _rel(gt, ct)
+        assert _rel(gd, cd) < 2e-2, _rel(gd, cd)
+
+
+def _report(name: str, outputs, reference: list[list[int]], prompts, cpu_pair) -> int:
+    """Count exact matches; print, for each mismatch, the first differing position and the float32 gap there."""
+    exact = 0
+    for out, ref, prompt in zip(outputs, reference, prompts):
+        if out == ref:
+            exact += 1
+            continue
+        j = next(i for i, (x, y) in enumerate(zip(out, ref)) if x != y)
+        gap = top2_relative_gap(last_logits(cpu_pair, prompt + ref[:j]))
+        print(f"{name}: first difference at new token {j}: gpu {out[j]} vs {ref[j]}, float32 top-2 gap {gap:.2e}")
+    print(f"{name}: {exact}/{len(reference)} exact")
+    return exact
+
+
+def test_goldens_on_the_gpu(tiny_pair, gpu_pair, cpu_pair, goldens):
+    prompts = [g["prompt_ids"] for g in goldens]
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    spec = gpu_pair.generate(prompts, params)
+    ar = LLM(tiny_pair / "target", backend="cuda").generate(prompts, params)
+    tau = statistics.mean(o.tau for o in spec)
+    print(f"gpu tau {tau:.4f} (golden 2.595)")
+    ar_exact = _report("ar vs golden", [o.token_ids for o in ar], [g["ar_ids"] for g in goldens], prompts, cpu_pair)
+    spec_exact = _report("spec vs golden", [o.token_ids for o in spec], [g["spec_ids"] for g in goldens], prompts,
+                         cpu_pair)
+    self_exact = _report("spec vs gpu ar", [o.token_ids for o in spec], [o.token_ids for o in ar], prompts, cpu_pair)
+    assert ar_exact >= 30 and spec_exact >= 30 and self_exact >= 30
+    assert abs(tau - 2.595) / 2.595 < 0.02, tau
+
+
+@pytest.mark.parametrize("shape", [
+    TinyShape(arch="qwen3", num_heads=4, num_kv_heads=4, head_dim=64, hidden_size=256, intermediate_size=512),
+    TinyShape(arch="qwen2", num_heads=8, num_kv_heads=2, head_dim=128, hidden_size=256, intermediate_size=512,
+              tie_word_embeddings=True, shards=2),
+    TinyShape(arch="llama", num_heads=8, num_kv_heads=1, head_dim=64, hidden_size=256, intermediate_size=512,
+              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 64}),
+], ids=["qwen3-d64", "qwen2-d128-tied", "llama3-gqa8"])
+def test_random_pairs_speculative_equals_autoregressive_on_gpu(tmp_path, shape):
+    target, draft = write_random_pair(tmp_path, shape, seed=1)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, shape.vocab_size, n).tolist() for n in (5, 17, 33)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ar = LLM(target, backend="cuda", kv_block_size=8).generate(prompts, params)
+    spec = LLM(target, draft=draft, backend="cuda", kv_block_size=8).generate(prompts, params)
+    cpu = LLM(target, backend="cpu")
+    for p, a, s in zip(prompts, ar, spec):
+        if a.token_ids != s.token_ids:  # allowed only where float32 itself nearly ties (bf16 resolution 2^-8)
+            j = next(i for i, (x, y) in enumerate(zip(a.token_ids, s.token_ids)) if x != y)
+            gap = top2_relative_gap(last_logits(cpu, p + a.token_ids[:j]))
+            print(f"spec vs ar differ at {j}: float32 top-2 gap {gap:.2e}")
+            assert gap < 2 ** -8, gap
