@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     g = sub.add_parser("generate", help="generate continuations for prompts (JSON lines out)")
     g.add_argument("--target", required=True, help="target model directory (Hugging Face format)")
-    g.add_argument("--draft", help="DFlash drafter directory; without it, plain autoregressive decoding")
+    g.add_argument("--draft", help="drafter directory (DFlash, DFlash2 or DSpark); without it, plain autoregressive "
+                                   "decoding")
     g.add_argument("--prompt", action="extend", nargs="+", default=[], metavar="TEXT", help="prompt text")
     g.add_argument("--prompts", type=Path, metavar="FILE",
                    help='JSON lines: {"prompt": "text"} or {"prompt_ids": [ints]}, optional "max_new_tokens"')
@@ -39,6 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--block-size", type=int, help="speculative block size (default: the drafter's; 1 = no drafting)")
+    g.add_argument("--draft-window", type=int, metavar="N",
+                   help="override the sliding window of the drafter's sliding layers (default: its config's; 0 = off)")
+    g.add_argument("--confidence-threshold", type=float, default=0.0, metavar="C",
+                   help="DSpark: cut each draft at its first row with confidence below C (default 0: off)")
+    g.add_argument("--adaptive-verify", action="store_true",
+                   help="DSpark: pick verify lengths from the confidence head against the verify cost")
+    g.add_argument("--verify-cost", type=float, default=0.05, metavar="X",
+                   help="with --adaptive-verify: cost of one verified token relative to a step's fixed cost")
     g.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto")
     g.add_argument("--max-num-seqs", type=int, default=64, help="sequences in flight at once")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -92,12 +101,17 @@ def read_requests(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def generate(args: argparse.Namespace) -> None:
     from cudflash import LLM, SamplingParams
+    from cudflash.config import DraftOptions
 
     requests = read_requests(args)
     params = [SamplingParams(max_tokens=r.get("max_new_tokens", args.max_new_tokens), temperature=args.temperature,
                              top_k=args.top_k, top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
               for r in requests]
-    llm = LLM(args.target, draft=args.draft, backend=args.backend, block_size=args.block_size,
+    options = None
+    if args.draft_window is not None or args.confidence_threshold or args.adaptive_verify:
+        options = DraftOptions(sliding_window=args.draft_window, confidence_threshold=args.confidence_threshold,
+                               adaptive=args.adaptive_verify, verify_cost=args.verify_cost)
+    llm = LLM(args.target, draft=args.draft, backend=args.backend, block_size=args.block_size, draft_options=options,
               max_num_seqs=args.max_num_seqs, memory_utilization=args.gpu_memory_utilization, progress=True)
     prompts = [r["prompt"] if "prompt" in r else r["prompt_ids"] for r in requests]
     start = time.perf_counter()

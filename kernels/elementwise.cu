@@ -1,6 +1,6 @@
 // elementwise.cu: SwiGLU, residual-style add and bias add on bf16 rows, 8 elements (16 bytes) per thread.
 //
-// silu_mul: gate_up [T, 2I] (row stride sg) -> out [T, I] = silu(gate) * up, gate = gate_up[:, :I],
+// silu_mul<G>: gate_up [T, 2I] G (bf16, or the float32 GEMM output; row stride sg) -> out [T, I] bf16 = silu(gate) * up, gate = gate_up[:, :I],
 //           up = gate_up[:, I:]. Flat grid over T * I / 8 vectors.
 // add<A, B>: a [T, W] A (stride sa) + b [T, W] B (stride sb) -> out [T, W] bf16 contiguous; A and B are bf16
 //           or float32 (a GEMM output / the residual stream). Flat grid over T * W / 8.
@@ -9,17 +9,17 @@
 // All math in float32; one rounding to bf16 on store.
 #include "common.cuh"
 
-extern "C" __global__ void silu_mul(const bf16* __restrict__ gate_up, long long sg, bf16* __restrict__ out,
-                                    int T, int I) {
+template <typename G>
+__global__ void silu_mul(const G* __restrict__ gate_up, long long sg, bf16* __restrict__ out, int T, int I) {
     const int vpr = I >> 3;
     const long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (g >= (long long)T * vpr) return;
     const long long t = g / vpr;
     const int c = (int)(g % vpr);
-    const bf16* row = gate_up + t * sg;
+    const G* row = gate_up + t * sg;
     float gt[8], up[8], o[8];
-    unpack8(reinterpret_cast<const uint4*>(row)[c], gt);
-    unpack8(reinterpret_cast<const uint4*>(row + I)[c], up);
+    load8(row, c, gt);
+    load8(row + I, c, up);
 #pragma unroll
     for (int e = 0; e < 8; ++e) o[e] = gt[e] / (1.f + __expf(-gt[e])) * up[e];
     reinterpret_cast<uint4*>(out + t * I)[c] = pack8(o);

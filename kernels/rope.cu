@@ -1,6 +1,6 @@
 // rope.cu: optional per-head RMSNorm (Qwen3 q_norm / k_norm) followed by rotate-half RoPE.
 //
-// head_norm_rope<D, NORM>: x [T, heads * D] bf16 with row stride sx (elements; x may be a column slice of a
+// head_norm_rope<D, NORM, X>: x [T, heads * D] X (bf16, or the float32 output of the qkv GEMM) with row stride sx (elements; x may be a column slice of a
 // fused qkv GEMM output, read in place); out contiguous [T, heads * D] bf16; positions int32 [T];
 // cos, sin float32 [max_pos, D / 2]; w [D] bf16 (NORM only).
 //   h   = NORM ? w * (x_head * rsqrt(mean(x_head^2) + eps)) : x_head        (float32)
@@ -10,8 +10,8 @@
 // over its D/16 lanes with xor-shuffles (D/16 divides 32, so a head never straddles a warp).
 #include "common.cuh"
 
-template <int D, bool NORM>
-__global__ void head_norm_rope(const bf16* __restrict__ x, long long sx, const int* __restrict__ positions,
+template <int D, bool NORM, typename X>
+__global__ void head_norm_rope(const X* __restrict__ x, long long sx, const int* __restrict__ positions,
                                const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                                const bf16* __restrict__ w, bf16* __restrict__ out, int T, int heads, float eps) {
     constexpr int TPH = D / 16, HALF = D / 2;
@@ -22,9 +22,9 @@ __global__ void head_norm_rope(const bf16* __restrict__ x, long long sx, const i
     const int h = (int)(th % heads);
     const long long t = th / heads;
     float a[8], b[8];
-    const bf16* src = x + t * sx + h * D + 8 * j;
-    unpack8(*reinterpret_cast<const uint4*>(src), a);
-    unpack8(*reinterpret_cast<const uint4*>(src + HALF), b);
+    const X* src = x + t * sx + h * D + 8 * j;
+    load8(src, 0, a);
+    load8(src + HALF, 0, b);
     if (NORM) {
         float ss = 0.f;
 #pragma unroll

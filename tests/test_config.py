@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -466,3 +467,169 @@ def test_errors_are_cudflash_errors():
     r = parse_rope({"rope_theta": 10000.0, "rope_scaling": {"rope_type": "yarn", "factor": 2.0},
                     "max_position_embeddings": 4096}, "x/config.json")
     assert r.original_max_position_embeddings == 4096 and math.isclose(r.factor, 2.0)
+
+
+# ------------------------------------------------------------------- DFlash2 / DSpark dialects
+
+def zlab_dflash2_27b() -> dict:
+    """z-lab/Qwen3.8-27B-DFlash2 (seed_lineage.md 4.2)."""
+    return {
+        "architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "hidden_size": 5120, "num_hidden_layers": 5,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 17408,
+        "vocab_size": 248320, "num_target_layers": 64, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_theta": 1e7, "rope_type": "default"}, "sliding_window": 2048,
+        "use_sliding_window": True, "layer_types": ["sliding_attention"] * 5, "is_causal": False,
+        "tie_word_embeddings": False,
+        "dflash_config": {"block_size": 8, "conv_group_size": 16, "conv_kernel_size": 2, "mask_token_id": 248070,
+                          "selector_rank": 256, "selector_top_k": 16, "target_layer_ids": [5, 19, 33, 47, 61]},
+    }
+
+
+def deepspec_dspark_4b() -> dict:
+    """DeepSpec-native DSpark (Qwen3DSparkModel, config/dspark/dspark_qwen3_4b_online.py): heads at the top level."""
+    cfg = zlab_qwen3_4b_drafter()
+    del cfg["dflash_config"], cfg["auto_map"]
+    cfg.update(architectures=["Qwen3DSparkModel"], block_size=7, target_layer_ids=[1, 9, 17, 25, 33],
+               mask_token_id=151669, num_anchors=512, markov_rank=256, markov_head_type="vanilla",
+               enable_confidence_head=True, confidence_head_with_markov=True)
+    return cfg
+
+
+def nested_dspark_4b() -> dict:
+    """The same drafter in the SpecForge / speculators dialect: DSparkDraftModel, heads inside dflash_config."""
+    cfg = zlab_qwen3_4b_drafter()
+    del cfg["auto_map"]
+    cfg.update(architectures=["DSparkDraftModel"], block_size=7)
+    cfg["dflash_config"].update(projector_type="dspark", markov_rank=256, markov_head_type="vanilla",
+                                use_confidence_head=True, confidence_head_with_markov=True, shift_label=True,
+                                causal=False)
+    return cfg
+
+
+def test_dflash2_config(tmp_path):
+    d = load_draft_config(write_cfg(tmp_path, zlab_dflash2_27b()))
+    assert (d.kind, d.block_size, d.mask_token_id, d.target_layer_ids) == ("dflash2", 8, 248070, [5, 19, 33, 47, 61])
+    assert (d.conv_kernel_size, d.conv_group_size, d.selector_rank, d.selector_top_k) == (2, 16, 256, 16)
+    assert d.layer_windows == [2048] * 5  # the drafter's own trained window, per layer
+    assert d.rope.theta == 1e7  # read from rope_parameters
+    assert not d.shifted_rows and d.markov_rank == 0 and not d.confidence_head
+
+
+def test_dflash2_projector_dialect_parses_the_same(tmp_path):
+    cfg = zlab_dflash2_27b()
+    a = load_draft_config(write_cfg(tmp_path / "a", cfg))
+    cfg["architectures"] = ["DFlashDraftModel"]  # Model-Optimizer: the family is named by projector_type
+    cfg["dflash_config"]["projector_type"] = "dflash2"
+    b = load_draft_config(write_cfg(tmp_path / "b", cfg))
+    assert replace(a, path="") == replace(b, path="")
+
+
+def test_dspark_dialects_parse_to_the_same_settings(tmp_path):
+    a = load_draft_config(write_cfg(tmp_path / "a", deepspec_dspark_4b()))
+    b = load_draft_config(write_cfg(tmp_path / "b", nested_dspark_4b()))
+    assert (a.kind, a.shifted_rows, a.markov_rank, a.confidence_head, a.confidence_with_markov) == (
+        "dspark", True, 256, True, True)
+    assert (a.block_size, a.mask_token_id, a.target_layer_ids) == (7, 151669, [1, 9, 17, 25, 33])
+    assert replace(a, path="") == replace(b, path="")
+    # A DFlashDraftModel export with projector_type "dspark" is the same drafter too.
+    cfg = nested_dspark_4b()
+    cfg["architectures"] = ["DFlashDraftModel"]
+    assert replace(load_draft_config(write_cfg(tmp_path / "c", cfg)), path="") == replace(a, path="")
+
+
+def test_radixark_dspark_minimal_nested_config(tmp_path):
+    """RadixArk/Qwen3.8-27B-DSpark: only markov_rank and projector_type inside dflash_config (not rank 0!)."""
+    cfg = zlab_dflash2_27b()
+    cfg.update(architectures=["DSparkDraftModel"], block_size=7, num_attention_heads=40,
+               layer_types=["full_attention"] * 5)
+    cfg["dflash_config"] = {"target_layer_ids": [4, 16, 28, 40, 52], "markov_rank": 256, "projector_type": "dspark",
+                            "mask_token_id": 248070}
+    d = load_draft_config(write_cfg(tmp_path, cfg))
+    assert (d.kind, d.shifted_rows, d.markov_rank, d.confidence_head, d.block_size) == ("dspark", True, 256, False, 7)
+
+
+def test_tiny_writers_dialects(tmp_path):
+    from cudflash.tiny import TinyHeads
+    cfgs = {}
+    for name, heads in {"deepspec": TinyHeads(kind="dspark"), "nested": TinyHeads(kind="dspark", dialect="nested"),
+                        "dflash2": TinyHeads(kind="dflash2"),
+                        "projector": TinyHeads(kind="dflash2", dialect="projector")}.items():
+        cfgs[name] = load_draft_config(write_cfg(tmp_path / name, draft_config(TinyShape(heads=heads))))
+    assert replace(cfgs["deepspec"], path="") == replace(cfgs["nested"], path="")
+    assert replace(cfgs["dflash2"], path="") == replace(cfgs["projector"], path="")
+    assert cfgs["deepspec"].kind == "dspark" and cfgs["dflash2"].kind == "dflash2"
+
+
+def test_draft_vocab_size(tmp_path):
+    cfg = deepspec_dspark_4b()
+    cfg["draft_vocab_size"] = 32000
+    assert load_draft_config(write_cfg(tmp_path / "a", cfg)).draft_vocab_size == 32000
+    cfg["draft_vocab_size"] = cfg["vocab_size"]  # the full vocabulary: nothing to remap
+    assert load_draft_config(write_cfg(tmp_path / "b", cfg)).draft_vocab_size is None
+
+
+@pytest.mark.parametrize("edit,needles", [
+    (lambda c: c.update(markov_head_type="gated"), ["gated", "vanilla"]),
+    (lambda c: c.update(markov_head_type="rnn"), ["rnn", "vanilla"]),
+    (lambda c: c.update(markov_rank=0), ["confidence_head_with_markov", "markov_rank"]),
+    (lambda c: c.update(shift_label=False), ["shift_label"]),
+    (lambda c: c.update(conv_kernel_size=2, conv_group_size=16), ["conv_kernel_size", "dspark"]),
+    (lambda c: c.update(is_causal=True), ["is_causal"]),
+    (lambda c: c.update(enable_confidence_head="yes"), ["enable_confidence_head", "true or false"]),
+    (lambda c: c.update(markov_rank=-1), ["markov_rank", ">= 0"]),
+])
+def test_dspark_config_errors(tmp_path, edit, needles):
+    cfg = deepspec_dspark_4b()
+    edit(cfg)
+    draft_error(tmp_path, cfg, *needles)
+
+
+@pytest.mark.parametrize("edit,needles", [
+    (lambda d: d.pop("conv_group_size"), ["conv_group_size"]),
+    (lambda d: d.update(conv_group_size=48), ["conv_group_size 48", "hidden_size 5120"]),
+    (lambda d: d.pop("selector_top_k"), ["selector_top_k"]),
+    (lambda d: d.update(conv_kernel_size=0, selector_rank=0), ["neither"]),
+    (lambda d: d.update(projector_type="domino"), ["projector_type", "domino"]),
+    (lambda d: d.update(projector_type="dspark"), ["contradicts", "DFlash2DraftModel"]),
+    (lambda d: d.update(markov_rank=64), ["markov_rank", "dflash2"]),
+])
+def test_dflash2_config_errors(tmp_path, edit, needles):
+    cfg = zlab_dflash2_27b()
+    edit(cfg["dflash_config"])
+    draft_error(tmp_path, cfg, *needles)
+
+
+def test_speculators_flat_format_is_a_clear_error(tmp_path):
+    cfg = {"architectures": ["DFlash2Speculator"], "speculators_model_type": "dflash2", "block_size": 8,
+           "aux_hidden_state_layer_ids": [1, 2], "transformer_layer_config": {}}
+    draft_error(tmp_path, cfg, "speculators", "dflash_config")
+
+
+def test_pair_checks_drafter_vocabularies(tmp_path):
+    t = load_target_config(write_cfg(tmp_path / "t", qwen3_4b_target()))
+    d = load_draft_config(write_cfg(tmp_path / "d", deepspec_dspark_4b()))
+    d.draft_vocab_size = t.vocab_size + 1
+    pair_error(t, d, "draft_vocab_size")
+    d = load_draft_config(write_cfg(tmp_path / "e", zlab_dflash2_27b()))
+    t.vocab_size, t.hidden_size, t.num_layers = 248320, 5120, 64
+    d.draft_vocab_size, d.selector_top_k = 8, 16
+    pair_error(t, d, "selector_top_k 16")
+
+
+def test_draft_options(tmp_path):
+    from cudflash.config import DraftOptions, apply_draft_options
+    d = load_draft_config(write_cfg(tmp_path / "a", zlab_dflash2_27b()))
+    assert apply_draft_options(d, DraftOptions()) is d  # the checkpoint's values by default
+    assert apply_draft_options(d, DraftOptions(sliding_window=512)).layer_windows == [512] * 5
+    assert apply_draft_options(d, DraftOptions(sliding_window=0)).layer_windows == [0] * 5
+    with pytest.raises(ConfigError, match="confidence head"):
+        apply_draft_options(d, DraftOptions(adaptive=True))
+    full = load_draft_config(write_cfg(tmp_path / "b", zlab_qwen3_4b_drafter()))
+    with pytest.raises(ConfigError, match="no sliding_attention layers"):
+        apply_draft_options(full, DraftOptions(sliding_window=512))
+    dspark = load_draft_config(write_cfg(tmp_path / "c", deepspec_dspark_4b()))
+    apply_draft_options(dspark, DraftOptions(confidence_threshold=0.4, adaptive=True))
+    for bad in ({"sliding_window": -1}, {"sliding_window": True}, {"confidence_threshold": 1.0},
+                {"verify_cost": -0.1}):
+        with pytest.raises(ConfigError):
+            DraftOptions(**bad)

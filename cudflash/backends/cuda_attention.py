@@ -81,9 +81,25 @@ def ctas_per_sm(kern: cupy.RawKernel, smem: int) -> int:
     return _occupancy[key]
 
 
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+MIN_CONTEXT_BUCKET = 512
+
+
+def batch_bucket(n: int) -> int | None:
+    """The padded batch a CUDA graph is captured for (None: too many sequences for a graph)."""
+    return next((b for b in BATCH_BUCKETS if b >= n), None)
+
+
+def context_bucket(n: int) -> int:
+    return max(MIN_CONTEXT_BUCKET, 1 << (n - 1).bit_length())
+
+
 def choose_splits(base_ctas: int, max_context: int, slots: int) -> int:
     """How many CTAs share one key range: fill the resident slots once (a second, mostly idle wave costs more
-    than it saves), each split keeping at least 2 K/V tiles."""
+    than it saves), each split keeping at least 2 K/V tiles.
+
+    Callers pass the bucketed batch and context (batch_bucket, context_bucket), as a CUDA graph captured for
+    that bucket must: eager and graphed execution then split alike and round alike."""
     ktiles = cdiv(max_context, BN)
     if base_ctas * 2 > slots or ktiles < 4:
         return 1
@@ -115,7 +131,8 @@ def attention(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, met
     qtiles = cdiv(meta.max_q_len * group, bm)
     smem = (bm * d + 4 * BN * d) * 2  # Q tile + double-buffered K and V tiles, bf16
     kern = _forward_kernel(d, wm, wn, smem)
-    nsplit = choose_splits(qtiles * n * hk, meta.max_context_len, num_sms * ctas_per_sm(kern, smem))
+    nsplit = choose_splits(qtiles * (batch_bucket(n) or n) * hk, context_bucket(meta.max_context_len),
+                           num_sms * ctas_per_sm(kern, smem))
     if nsplit > 1:
         o_part = cupy.empty((nsplit, t, hq, d), dtype=cupy.float32)  # per-split normalised outputs
         lse_part = cupy.empty((nsplit, t, hq), dtype=cupy.float32)  # per-split log2-sum-exp

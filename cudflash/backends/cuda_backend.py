@@ -7,6 +7,7 @@ Ops allocate their outputs from CuPy's pool; nothing here copies to or from the 
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import cupy
@@ -40,6 +41,8 @@ _NORM_NAMES = tuple(f"rms_norm<{v}, {a}, {x}, {r}>" for v in _NORM_VPT for a in 
                     for x in _TYPES for r in _TYPES)
 _ADD_NAMES = tuple(f"add<{a}, {b}>" for a in _TYPES for b in _TYPES)
 _BIAS_NAMES = ("bias_add<bf16>", "bias_add<float>")
+_SILU_NAMES = ("silu_mul<bf16>", "silu_mul<float>")
+_STORE_NAMES = ("store_kv<bf16>", "store_kv<float>")
 
 
 def _ctype(x: cupy.ndarray) -> str:
@@ -50,7 +53,12 @@ _MAX_GRID_Y = 65535
 
 
 def _rope_names(d: int) -> tuple[str, ...]:
-    return (f"head_norm_rope<{d}, false>", f"head_norm_rope<{d}, true>")
+    return tuple(f"head_norm_rope<{d}, {n}, {x}>" for n in ("false", "true") for x in _TYPES)
+
+
+@functools.cache
+def engine_stream() -> cupy.cuda.Stream:
+    return cupy.cuda.Stream(non_blocking=True)
 
 
 class CudaBackend:
@@ -59,6 +67,11 @@ class CudaBackend:
     activation_reserve = 2 * 2**30  # bytes kept free for activations and cuBLAS workspaces beside the KV cache
 
     def __init__(self) -> None:
+        # Everything runs on one non-blocking stream (CUDA graphs cannot capture the legacy stream), the same for
+        # every backend object of the process: a stream per object left CuPy's current stream pointing at a
+        # destroyed one once an LLM was garbage-collected.
+        self.stream = engine_stream()
+        self.stream.use()
         self.act = act_dtype()
         self.num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self.blas = Cublas()
@@ -237,14 +250,14 @@ class CudaBackend:
         return y
 
     def silu_mul(self, gate_up: cupy.ndarray) -> cupy.ndarray:
-        gate_up, sg = vec_rows(as_rows(gate_up), "silu_mul input")
+        gate_up, sg = rows_any(as_rows(gate_up), "silu_mul input")
         t, width = gate_up.shape
         inter = width // 2
         if inter % 8:
             raise BackendError(f"cuda silu_mul: intermediate size {inter} is not a multiple of 8")
         out = cupy.empty((t, inter), dtype=self.act)
         if t:
-            kernel_loader.function("elementwise", "silu_mul")(
+            kernel_loader.function("elementwise", f"silu_mul<{_ctype(gate_up)}>", _SILU_NAMES)(
                 (cdiv(t * inter // 8, THREADS),), (THREADS,), (gate_up, i64(sg), out, i32(t), i32(inter)))
         return out
 
@@ -266,7 +279,7 @@ class CudaBackend:
                        sin: cupy.ndarray, weight: cupy.ndarray | None, eps: float) -> cupy.ndarray:
         if head_dim % 16 or 32 % (head_dim // 16):
             raise BackendError(f"cuda head_norm_rope: head_dim {head_dim} unsupported (16, 32, 64, 128, 256, 512)")
-        x, sx = vec_rows(x, "head_norm_rope x")
+        x, sx = rows_any(x, "head_norm_rope x")
         t, width = x.shape
         heads = width // head_dim
         if heads * head_dim != width:
@@ -281,7 +294,7 @@ class CudaBackend:
         norm = weight is not None
         if norm and weight.shape != (head_dim,):
             raise BackendError(f"cuda head_norm_rope: weight shape {weight.shape}, expected ({head_dim},)")
-        name = f"head_norm_rope<{head_dim}, {'true' if norm else 'false'}>"
+        name = f"head_norm_rope<{head_dim}, {'true' if norm else 'false'}, {_ctype(x)}>"
         total = t * heads * (head_dim // 16)
         kernel_loader.function("rope", name, _rope_names(head_dim))(
             (cdiv(total, 128),), (128,),
@@ -291,7 +304,7 @@ class CudaBackend:
     def store_kv(self, k: cupy.ndarray, v: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray,
                  slots: Any) -> None:
         k, sk = vec_rows(k, "store_kv k")
-        v, sv = vec_rows(v, "store_kv v")
+        v, sv = rows_any(v, "store_kv v")
         t, width = k.shape
         _, _, kv_heads, head_dim = k_cache.shape
         if v.shape != k.shape or width != kv_heads * head_dim:
@@ -300,7 +313,7 @@ class CudaBackend:
         if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
             raise BackendError("cuda store_kv: caches must be contiguous")
         if t:
-            kernel_loader.function("store_kv", "store_kv")(
+            kernel_loader.function("store_kv", f"store_kv<{_ctype(v)}>", _STORE_NAMES)(
                 (cdiv(t * width // 8, THREADS),), (THREADS,),
                 (k, i64(sk), v, i64(sv), device_i32(slots), k_cache, v_cache, i32(t), i32(width)))
 

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Iterator, Sequence as Seq
 
 from cudflash.backends import get_backend
-from cudflash.config import load_draft_config, load_target_config, validate_pair
+from cudflash.config import DraftOptions, apply_draft_options, load_draft_config, load_target_config, validate_pair
 from cudflash.engine.model_runner import ModelRunner
 from cudflash.engine.scheduler import Scheduler
 from cudflash.engine.sequence import Sequence, SequenceStatus
-from cudflash.engine.propose import Proposer, dflash_propose
+from cudflash.engine.propose import Proposer, dflash_propose, make_proposer
 from cudflash.engine.spec_decode import engine_step
 from cudflash.errors import ConfigError, RequestError
 from cudflash.sampling_params import SamplingParams
@@ -47,11 +47,17 @@ class LLM:
     def __init__(self, target: str | Path, draft: str | Path | None = None, backend: str = "auto", *,
                  block_size: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 8192,
                  kv_block_size: int = 16, num_kv_blocks: int | None = None, memory_utilization: float = 0.9,
-                 enable_prefix_caching: bool = True, progress: bool = False, random_weights: bool = False):
+                 enable_prefix_caching: bool = True, progress: bool = False, random_weights: bool = False,
+                 draft_options: DraftOptions | dict | None = None, enforce_eager: bool = False):
         self.target_cfg = load_target_config(target)
         self.draft_cfg = load_draft_config(draft) if draft is not None else None
+        # Drafting choices (sliding-window override, DSpark confidence cut / adaptive verify): lossless, off by default.
+        self.draft_options = DraftOptions(**draft_options) if isinstance(draft_options, dict) else draft_options
+        if self.draft_options is not None and self.draft_cfg is None:
+            raise ConfigError("draft options need a drafter (--draft)")
         if self.draft_cfg is not None:
             validate_pair(self.target_cfg, self.draft_cfg)
+            self.draft_cfg = apply_draft_options(self.draft_cfg, self.draft_options or DraftOptions())
         if block_size is not None and block_size < 1:
             raise ConfigError(f"block size must be >= 1, got {block_size}")
         if block_size is not None and block_size > 1 and self.draft_cfg is None:
@@ -64,12 +70,15 @@ class LLM:
         self.runner = ModelRunner(self.target_cfg, self.draft_cfg, self.backend, max_block_size=self.block_size,
                                   kv_block_size=kv_block_size, num_kv_blocks=num_kv_blocks,
                                   max_num_seqs=max_num_seqs, memory_utilization=memory_utilization,
-                                  progress=progress, random_weights=random_weights)
+                                  progress=progress, random_weights=random_weights,
+                                  enforce_eager=enforce_eager)
         self.runner.blocks.enable_prefix_caching = enable_prefix_caching
         self.scheduler = Scheduler(self.runner.blocks, self.block_size, max_num_seqs, max_num_batched_tokens)
         self.tokenizer = load_tokenizer(target)
         self.eos_token_ids = set(self.target_cfg.eos_token_ids)
-        self.proposer: Proposer = dflash_propose  # replaceable, e.g. by an oracle in tests
+        # The drafter's own proposer (DFlash / DFlash2 / DSpark); replaceable, e.g. by an oracle in tests.
+        self.proposer: Proposer = (make_proposer(self.runner, self.draft_options) if self.runner.draft is not None
+                                   else dflash_propose)
         self.requests: dict[int, Sequence] = {}
         self._next_id = 0
 

@@ -49,7 +49,7 @@ class ModelRunner:
     def __init__(self, target_cfg: TargetConfig, draft_cfg: DraftConfig | None, backend: Backend, *,
                  max_block_size: int, kv_block_size: int = 16, num_kv_blocks: int | None = None,
                  max_num_seqs: int = 64, memory_utilization: float = 0.9, progress: bool = False,
-                 random_weights: bool = False):
+                 random_weights: bool = False, enforce_eager: bool = False):
         self.backend, self.target_cfg, self.draft_cfg = backend, target_cfg, draft_cfg
         max_positions = target_cfg.max_position_embeddings + max_block_size + 1
         def loader(path: str, label: str) -> WeightLoader | RandomWeights:
@@ -79,9 +79,16 @@ class ModelRunner:
                 )
             num_kv_blocks = min(wanted, budget)
         self.blocks = BlockManager(num_kv_blocks, kv_block_size)
-        shape = lambda c: (c.num_layers, num_kv_blocks, kv_block_size, c.num_kv_heads, c.head_dim)  # noqa: E731
+        # One block more than the manager hands out: block `num_kv_blocks` is the dummy that padded rows of a
+        # CUDA graph point at (never written: their slots are -1).
+        shape = lambda c: (c.num_layers, num_kv_blocks + 1, kv_block_size, c.num_kv_heads, c.head_dim)  # noqa: E731
         self.target_kv = KVCache(backend.zeros(shape(t), "act"), backend.zeros(shape(t), "act"))
         self.draft_kv = KVCache(backend.zeros(shape(d), "act"), backend.zeros(shape(d), "act")) if d else None
+        self.graphs = None
+        if backend.name == "cuda" and not enforce_eager:
+            from cudflash.engine.cuda_graph import StepGraphs
+
+            self.graphs = StepGraphs(self, max_blocks=-(-max_positions // kv_block_size), dummy_block=num_kv_blocks)
 
     # ---- inputs
     def batch(self, seqs: list[Sequence], ids: list[list[int]], starts: list[int]) -> ForwardBatch:

@@ -3,6 +3,23 @@
 A proposer may return fewer than block-1 drafts for a sequence (e.g. a confidence cut); verification then
 scores only the rows it needs. For drafters that sample, `q` carries the draft distributions so that
 speculative rejection sampling stays exactly lossless.
+
+`DraftProposer` serves every drafter family (its per-row math lives in models/draft_heads.py):
+
+| drafter | rows (block B, anchor at L)     | token choice                                               |
+|---------|---------------------------------|------------------------------------------------------------|
+| DFlash  | 1..B-1 predict L+1..L+B-1       | argmax (q one-hot, also when the request samples)          |
+| DFlash2 | 1..B-1                          | selector walk from the anchor: argmax, or a sample whose q |
+|         |                                 | over the row's K candidates goes to verification           |
+| DSpark  | 0..B-2 predict L+1..L+B-1       | Markov walk from the anchor, argmax (shifted rows)         |
+
+DSpark's last row (B-1) predicts L+B, one past what a step can verify (the pending token plus B-1 drafts):
+its prediction is not computed. DSpark options, both off by default (then every draft is verified):
+- a confidence threshold cuts each draft before its first row whose confidence is below it;
+- the adaptive policy picks every sequence's verify length at once: with c the row confidences, the survival
+  s_j = c_1 ... c_j is the chance that drafts 1..j are all accepted, so verifying k drafts emits 1 + s_1 + ...
+  + s_k tokens on average; it maximises (expected tokens of the batch) / (1 + verify_cost * tokens verified),
+  a step cost that is fixed plus linear in the verified tokens.
 """
 from __future__ import annotations
 
@@ -11,6 +28,7 @@ from typing import Callable
 
 import numpy as np
 
+from cudflash.config import DraftOptions
 from cudflash.engine.model_runner import ModelRunner
 from cudflash.engine.sequence import Sequence
 from cudflash.models.batch import ForwardBatch
@@ -31,3 +49,80 @@ def dflash_propose(runner: ModelRunner, batch: ForwardBatch, seqs: list[Sequence
     rows = (np.arange(len(seqs))[:, None] * block + np.arange(1, block)[None, :]).reshape(-1)
     drafts = runner.backend.to_numpy(runner.backend.argmax(runner.logits(hidden, rows)))
     return Proposal(drafts.reshape(len(seqs), block - 1).astype(np.int64))
+
+
+def confident_lengths(conf: np.ndarray, threshold: float) -> np.ndarray:
+    """Per sequence: the rows before the first one whose confidence is below the threshold. conf [n, S]."""
+    low = conf < threshold
+    return np.where(low.any(axis=1), low.argmax(axis=1), conf.shape[1])
+
+
+def adaptive_lengths(conf: np.ndarray, limit: np.ndarray, verify_cost: float) -> np.ndarray:
+    """Verify lengths (at most `limit` per sequence) maximising expected tokens / (1 + verify_cost * tokens)."""
+    n, slots = conf.shape
+    survival = np.cumprod(conf, axis=1)
+    seq, row = np.nonzero(np.arange(slots)[None, :] < limit[:, None])
+    order = np.lexsort((row, seq, -survival[seq, row]))  # best marginal gain first; each sequence in row order
+    expected = n + np.concatenate([[0.0], np.cumsum(survival[seq, row][order])])
+    ratio = expected / (1.0 + verify_cost * (n + np.arange(len(order) + 1)))
+    best = int(np.argmax(ratio))
+    return np.bincount(seq[order[:best]], minlength=n)
+
+
+class DraftProposer:
+    def __init__(self, runner: ModelRunner, options: DraftOptions | None = None):
+        self.opts = options or DraftOptions()
+        runner.draft.check_target(runner.target_cfg)
+
+    def __call__(self, runner: ModelRunner, batch: ForwardBatch, seqs: list[Sequence], block: int) -> Proposal:
+        b, draft = runner.backend, runner.draft
+        n, slots = len(seqs), block - 1
+        first = 0 if runner.draft_cfg.shifted_rows else 1
+        rows = (np.arange(n)[:, None] * block + np.arange(first, first + slots)[None, :]).reshape(-1)
+        h = b.take_rows(runner.draft_forward(batch), b.asarray(rows.astype(np.int32), "i32"))  # [n S, H]
+        logits = draft.logits(h, runner.target)  # [n S, Vd]
+        anchors = np.array([s.last_token for s in seqs], dtype=np.int64)
+        q = None
+        if draft.selector is not None:
+            drafts, q = self._select(b, draft, logits, h, anchors, seqs, runner.target_cfg.vocab_size)
+        elif draft.markov is not None:
+            drafts = draft.markov.walk(b, logits, anchors, slots, draft.to_target)
+        else:
+            drafts = b.to_numpy(draft.to_target(b.argmax(logits))).astype(np.int64).reshape(n, slots)
+        lengths = np.full(n, slots)
+        if self.opts.uses_confidence:
+            prev = np.concatenate([anchors[:, None], drafts[:, :-1]], axis=1).reshape(-1)
+            conf = draft.confidence(b, h, prev, draft.markov).reshape(n, slots)
+            if self.opts.confidence_threshold > 0:
+                lengths = confident_lengths(conf, self.opts.confidence_threshold)
+            if self.opts.adaptive:
+                lengths = adaptive_lengths(conf, lengths, self.opts.verify_cost)
+        return Proposal([drafts[i, :lengths[i]] for i in range(n)],
+                        None if q is None else [None if x is None else x[:lengths[i]] for i, x in enumerate(q)])
+
+    @staticmethod
+    def _select(b, draft, logits, h, anchors, seqs, vocab):
+        """The selector walk of every sequence: drafts [n, S], and q (dense [S, V] per sampling sequence)."""
+        scores, cand = draft.selector.lattice(b, logits, h, anchors, logits.shape[0] // len(seqs), draft.to_target)
+        drafts, qs = [], []
+        for i, s in enumerate(seqs):
+            tokens, q = draft.selector.walk(scores[i], cand[i], s.params.temperature, s.rng)
+            drafts.append(tokens)
+            if q is not None:
+                dense = np.zeros((len(tokens), vocab))
+                np.put_along_axis(dense, cand[i], q, axis=1)
+                q = dense
+            qs.append(q)
+        return np.stack(drafts), (qs if any(q is not None for q in qs) else None)
+
+
+def make_proposer(runner: ModelRunner, options: DraftOptions | None = None) -> Proposer:
+    """`dflash_propose` itself for a plain DFlash drafter that borrows the target's head (the engine recognises it,
+    e.g. to replay the step as CUDA graphs); `DraftProposer` for everything else."""
+    draft = runner.draft
+    plain = (runner.draft_cfg.kind == "dflash" and draft.lm_head is None and draft.embed_tokens is None
+             and draft.d2t is None)
+    if plain:
+        draft.check_target(runner.target_cfg)
+        return dflash_propose
+    return DraftProposer(runner, options)

@@ -22,9 +22,34 @@ def engine_step(runner: ModelRunner, plan: StepPlan, block: int, proposer: Propo
     """Advance every planned sequence; appends emitted tokens and acceptance lengths to the sequences.
 
     `mark(phase)` is called as each phase ends ("propose", "verify", "accept"): benchmarks put events there.
+    A step with decodes only runs through CUDA graphs where the backend has them (the default drafter).
     """
-    b, decodes = runner.backend, plan.decodes
     speculative = block > 1 and runner.draft is not None
+    graphed = (runner.graphs is not None and plan.decodes and not plan.prefills
+               and runner.graphs.fits(len(plan.decodes)) and (not speculative or proposer is dflash_propose))
+    if graphed:
+        first_tokens, decode_emitted = [], _graphed_step(runner, plan.decodes, block if speculative else 1, mark)
+    else:
+        first_tokens, decode_emitted = _eager_step(runner, plan, block, speculative, proposer, mark)
+
+    for s, n in plan.prefills:
+        s.num_cached += n
+        runner.blocks.hash_committed(s)
+    for s, tokens in first_tokens:
+        s.output_ids.extend(tokens)  # a completed prompt's first token
+    for s, tokens in zip(plan.decodes, decode_emitted):
+        s.num_cached += len(tokens)  # the pending token and the accepted drafts are now committed
+        s.acceptance_lengths.append(len(tokens))
+        s.output_ids.extend(tokens)
+        runner.blocks.trim(s, s.num_cached + 1)  # roll back: slots past the pending token are scratch again
+        runner.blocks.hash_committed(s)
+    mark("accept")
+
+
+def _eager_step(runner: ModelRunner, plan: StepPlan, block: int, speculative: bool, proposer: Proposer,
+                mark: Callable[[str], None]) -> tuple[list, list[list[int]]]:
+    """Op by op: propose; ONE target forward over every prefill chunk and verify block; accept; drafter context."""
+    b, decodes = runner.backend, plan.decodes
     proposal = Proposal([np.zeros(0, dtype=np.int64)] * len(decodes))
     if decodes and speculative:
         mask = runner.draft_cfg.mask_token_id
@@ -57,22 +82,28 @@ def engine_step(runner: ModelRunner, plan: StepPlan, block: int, proposer: Propo
     mark("verify")
     emitted = verify_tokens(b, logits, groups) if groups else []
 
-    decode_emitted = emitted[len(groups) - len(decodes):]
+    num_first = len(groups) - len(decodes)
+    decode_emitted = emitted[num_first:]
     for j, tokens in enumerate(decode_emitted):  # the pending token and the accepted drafts are committed
         start = int(cu[first_decode + j])
         context_rows.extend(range(start, start + len(tokens)))
     if speculative and context_rows:
         runner.draft_context(taps, batch, np.asarray(context_rows, dtype=np.int32))
+    return [(g.seq, t) for g, t in zip(groups[:num_first], emitted[:num_first])], decode_emitted
 
-    for s, n in plan.prefills:
-        s.num_cached += n
-        runner.blocks.hash_committed(s)
-    for g, tokens in zip(groups[: len(groups) - len(decodes)], emitted):
-        g.seq.output_ids.extend(tokens)  # a completed prompt's first token
-    for s, tokens in zip(decodes, decode_emitted):
-        s.num_cached += len(tokens)
-        s.acceptance_lengths.append(len(tokens))
-        s.output_ids.extend(tokens)
-        runner.blocks.trim(s, s.num_cached + 1)  # roll back: slots past the pending token are scratch again
-        runner.blocks.hash_committed(s)
-    mark("accept")
+
+def _graphed_step(runner: ModelRunner, decodes: list, q: int, mark: Callable[[str], None]) -> list[list[int]]:
+    """The same step for decodes only, as graph replays: propose, verify, one read-back, accept, context."""
+    graphs, b = runner.graphs, runner.backend
+    mask = runner.draft_cfg.mask_token_id if q > 1 else 0
+    step, buf = graphs.propose(decodes, q, mask)
+    mark("propose")
+    graphs.verify(step)
+    drafts = step.drafts.get().reshape(buf.n, q - 1)[: len(decodes)] if q > 1 else np.zeros((len(decodes), 0))
+    targets = step.targets.get()
+    mark("verify")
+    groups = [VerifyGroup(s, i * q, drafts[i].astype(np.int64)) for i, s in enumerate(decodes)]
+    emitted = verify_tokens(b, step.logits, groups, argmax=targets)
+    if q > 1:
+        graphs.commit_context(step, buf, decodes, [len(t) for t in emitted], [s.num_cached for s in decodes])
+    return emitted

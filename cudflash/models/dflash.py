@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 
 from cudflash.backends.base import Backend
-from cudflash.checkpoint import SafetensorsFile
 from cudflash.config import DraftConfig, TargetConfig
-from cudflash.errors import CheckpointError, ConfigError
+from cudflash.errors import ConfigError
 from cudflash.models.batch import ForwardBatch, KVCache
+from cudflash.models.draft_checkpoint import DraftCheckpoint
 from cudflash.models.draft_heads import CandidateSelector, ConfidenceHead, DynamicConv, MarkovHead
 from cudflash.models.target import TargetModel
 from cudflash.models.weights import RandomWeights, WeightLoader
@@ -45,6 +45,8 @@ class DraftLayer:
     post_norm: Any  # [H]
     gate_up: Any  # [2 I, H]
     down: Any  # [H, I]
+    attn_conv: DynamicConv | None = None  # DFlash2: around the attention sublayer
+    mlp_conv: DynamicConv | None = None  # DFlash2: around the MLP sublayer
 
 
 class DFlashDraftModel:
@@ -53,6 +55,8 @@ class DFlashDraftModel:
         self.cfg, self.b = cfg, backend
         H, D, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         q_dim, kv_dim = cfg.num_heads * D, cfg.num_kv_heads * D
+        layout = DraftCheckpoint(cfg, loader, backend)
+        loader = layout.loader
         self.fc = loader.get("fc.weight", (H, num_taps * H))  # [H, K * H]
         self.hidden_norm = loader.get("hidden_norm.weight", (H,))  # [H]
         self.norm = loader.get("norm.weight", (H,))  # [H]
@@ -88,86 +92,35 @@ class DFlashDraftModel:
         self.scale = D ** -0.5
         self.kv_dim = kv_dim
 
-        V, Vd = self.vocab, self.draft_vocab
-        self.embed_tokens = loader.maybe("embed_tokens.weight", (V, H)) if V else None  # [V, H] or the target's
-        self.lm_head = self._maybe_top(loader, "lm_head.weight", (Vd, H)) if Vd else None  # [Vd, H] or target's
-        self.d2t: np.ndarray | None = None  # int64 [Vd]: target id of each drafter id
+        V = layout.vocab  # target vocabulary (None: the drafter has no vocabulary-sized tensor of its own)
+        Vd = cfg.draft_vocab_size or V
+        self.vocab = V
+        self.embed_tokens = layout.optional("embed_tokens.weight", (V, H)) if V else None  # [V, H] or the target's
+        self.lm_head = layout.optional("lm_head.weight", (Vd, H)) if Vd else None  # [Vd, H] or the target's
+        self.d2t: np.ndarray | None = None  # int64 [Vd]: the target id of each drafter id
         self.d2t_device: Any = None  # int32 [Vd]
         if cfg.draft_vocab_size is not None:
             if self.lm_head is None:
-                raise CheckpointError(f"{cfg.path}: draft_vocab_size {Vd} needs the drafter's own 'lm_head.weight' "
-                                      f"[{Vd}, {H}]")
-            self.d2t = self._read_d2t(loader, Vd, V)
+                self.lm_head = loader.get("lm_head.weight", (Vd, H))  # required: names the missing tensor
+            self.d2t = layout.d2t(Vd, V)
             self.d2t_device = backend.asarray(self.d2t.astype(np.int32), "i32")
         self.selector = (CandidateSelector(loader, V, H, cfg.selector_rank, cfg.selector_top_k)
                          if cfg.selector_rank else None)
         self.markov = MarkovHead(loader, V, Vd, cfg.markov_rank) if cfg.markov_rank else None
         self.confidence = (ConfidenceHead(loader, H, cfg.markov_rank if cfg.confidence_with_markov else 0)
                            if cfg.confidence_head else None)
-        unused = [n for n in ckpt.names if n not in used and not n.endswith(_IGNORED_TENSORS)]
-        if unused:
-            more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
-            raise ConfigError(f"{cfg.path}: checkpoint tensors this {cfg.kind} drafter would not use: "
-                              f"{', '.join(unused[:3])}{more} (refusing to drop them silently)")
-
-    # ---- checkpoint layout
-    def _check_declared(self, loader: WeightLoader) -> None:
-        declared = {"conv_kernel_size": self.cfg.conv_kernel_size, "selector_rank": self.cfg.selector_rank,
-                    "markov_rank": self.cfg.markov_rank, "enable_confidence_head": self.cfg.confidence_head,
-                    "draft_vocab_size": self.cfg.draft_vocab_size}
-        for name in loader.ckpt.names:
-            for key, field in _HEAD_TENSORS.items():
-                if key in name and not declared[field]:
-                    raise ConfigError(f"{self.cfg.path}: checkpoint has tensor '{name}' but config.json declares no "
-                                      f"'{field}' (refusing to drop a head silently)")
-
-    def _vocab(self, cfg: DraftConfig, loader: WeightLoader) -> int | None:
-        """The target vocabulary size: from the config, else from the first vocabulary-indexed tensor present."""
-        if cfg.vocab_size is not None:
-            return cfg.vocab_size
-        for name in ("embed_tokens.weight", "markov_head.markov_w1.weight", "candidate_selector.successor_codebook",
-                     "lm_head.weight"):
-            for full in (loader.prefix + name, name):
-                if full in loader.ckpt and (name != "lm_head.weight" or cfg.draft_vocab_size is None):
-                    return loader.ckpt.info(full).shape[0]
-        if cfg.draft_vocab_size is not None or cfg.markov_rank or cfg.selector_rank:
-            raise ConfigError(f"{cfg.path}/config.json: missing field 'vocab_size'")
-        return None
-
-    @staticmethod
-    def _maybe_top(loader: WeightLoader, name: str, shape: tuple[int, ...]) -> Any | None:
-        """A tensor under the loader's prefix or at the top level (vLLM keeps `lm_head` outside `model.`)."""
-        if loader.prefix + name in loader.ckpt:
-            return loader.get(name, shape)
-        return _TrackingLoader(loader.ckpt, loader.backend, "", loader.progress, loader.used).maybe(name, shape)
-
-    def _read_d2t(self, loader: WeightLoader, draft_vocab: int, vocab: int) -> np.ndarray:
-        ckpt = loader.ckpt
-        names = [p + n for n in ("d2t", "draft_id_to_target_id") for p in (loader.prefix, "")]
-        name = next((n for n in names if n in ckpt), None)
-        if name is None:
-            raise CheckpointError(f"{self.cfg.path}: draft_vocab_size {draft_vocab} < vocab_size {vocab} needs a "
-                                  "'d2t' (or 'draft_id_to_target_id') tensor")
-        info = ckpt.info(name)
-        loader.used.add(name)
-        if info.dtype not in ("I64", "I32") or info.shape != (draft_vocab,):
-            raise CheckpointError(f"{info.file}: tensor '{name}' should be an integer [{draft_vocab}], got "
-                                  f"{info.dtype} {list(info.shape)}")
-        target = np.arange(draft_vocab, dtype=np.int64) + SafetensorsFile(info.file).array(info)  # offsets
-        if target.min() < 0 or target.max() >= vocab or len(np.unique(target)) != draft_vocab:
-            raise CheckpointError(f"{info.file}: tensor '{name}' does not map drafter ids one-to-one onto target ids "
-                                  f"0..{vocab - 1} (read as offsets: target = draft + d2t)")
-        return target
+        layout.finish()
 
     def check_target(self, target: TargetConfig) -> None:
         if self.vocab is not None and self.vocab != target.vocab_size:
             raise ConfigError(f"{self.cfg.path}: drafter vocabulary tensors have {self.vocab} rows, target vocab_size "
                               f"is {target.vocab_size}")
 
-    # ---- vocabulary
     def logits(self, hidden: Any, target: TargetModel) -> Any:
         """Drafter-vocabulary logits [T, Vd] (the target's vocabulary unless the drafter has its own head)."""
-        return self.b.linear(hidden, self.lm_head) if self.lm_head is not None else target.logits(hidden)
+        if self.lm_head is not None:
+            return self.b.linear(hidden, self.lm_head, out_f32=True)  # float32, as the target's
+        return target.logits(hidden)
 
     def to_target(self, ids: Any) -> Any:
         """Drafter ids -> target ids, on the device (identity without a smaller drafter vocabulary)."""
@@ -187,8 +140,8 @@ class DFlashDraftModel:
 
     def update_context(self, taps: Any, positions: Any, slots: Any, kv: KVCache) -> None:
         b, cfg = self.b, self.cfg
-        ctx = b.rms_norm(b.linear(taps, self.fc), self.hidden_norm, cfg.rms_norm_eps)
-        all_kv = b.linear(ctx, self.fused_kv, self.fused_kv_bias)  # [T, L * 2 * Hk * D]
+        ctx = b.rms_norm(b.linear(taps, self.fc, out_f32=True), self.hidden_norm, cfg.rms_norm_eps)
+        all_kv = b.linear(ctx, self.fused_kv, self.fused_kv_bias, out_f32=True)  # [T, L * 2 * Hk * D]
         width = 2 * self.kv_dim
         for i in range(cfg.num_layers):
             self._store(i, all_kv[:, i * width:(i + 1) * width], positions, slots, kv)
@@ -206,18 +159,20 @@ class DFlashDraftModel:
                 hidden, residual = b.add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
             if layer.attn_conv is not None:
                 hidden, attn_coeff = layer.attn_conv.prepare(b, hidden, block)
-            q = b.head_norm_rope(b.linear(hidden, layer.q_proj, layer.q_bias), cfg.head_dim, batch.positions,
-                                 self.rope_cos, self.rope_sin, layer.q_norm, cfg.rms_norm_eps)
-            self._store(i, b.linear(hidden, *self._layer_kv(i)), batch.positions, batch.slots, kv)
+            q = b.linear(hidden, layer.q_proj, layer.q_bias, out_f32=True)  # RoPE rounds it once
+            q = b.head_norm_rope(q, cfg.head_dim, batch.positions, self.rope_cos, self.rope_sin, layer.q_norm,
+                                 cfg.rms_norm_eps)
+            self._store(i, b.linear(hidden, *self._layer_kv(i), out_f32=True), batch.positions, batch.slots, kv)
             attn = b.attention(q, kv.k[i], kv.v[i], batch.meta, self.scale, causal=False,
                                window=cfg.layer_windows[i])
-            hidden = b.linear(attn, layer.o_proj, layer.o_bias)
+            hidden = b.linear(attn, layer.o_proj, layer.o_bias, out_f32=True)  # feeds the float32 residual
             if layer.attn_conv is not None:
                 hidden = layer.attn_conv.finish(b, hidden, attn_coeff, block)
             hidden, residual = b.add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
             if layer.mlp_conv is not None:
                 hidden, mlp_coeff = layer.mlp_conv.prepare(b, hidden, block)
-            hidden = b.linear(b.silu_mul(b.linear(hidden, layer.gate_up)), layer.down)
+            gate_up = b.linear(hidden, layer.gate_up, out_f32=True)
+            hidden = b.linear(b.silu_mul(gate_up), layer.down, out_f32=True)
             if layer.mlp_conv is not None:
                 hidden = layer.mlp_conv.finish(b, hidden, mlp_coeff, block)
         hidden, _ = b.add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)

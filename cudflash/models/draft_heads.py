@@ -99,7 +99,7 @@ class MarkovHead:
         out = []
         for e in range(slots):
             rows = b.asarray((np.arange(n) * slots + e).astype(np.int32), "i32")
-            bias = b.linear(b.embedding(prev, self.w1), self.w2)  # [n, Vd]
+            bias = b.linear(b.embedding(prev, self.w1), self.w2, out_f32=True)  # [n, Vd] float32, as the logits
             prev = to_target(b.argmax(b.add(b.take_rows(logits, rows), bias)))
             out.append(prev)
         return b.to_numpy(b.cat(out, axis=0)).astype(np.int64).reshape(slots, n).T
@@ -107,13 +107,15 @@ class MarkovHead:
 
 class ConfidenceHead:
     def __init__(self, loader: WeightLoader, hidden: int, markov_rank: int):
+        self.with_markov = markov_rank > 0
         self.proj = loader.get("confidence_head.proj.weight", (1, hidden + markov_rank))  # [1, H (+ r)], h first
-        self.bias = loader.get("confidence_head.proj.bias", (1,))  # [1]
+        bias = loader.get("confidence_head.proj.bias", (1,))  # [1]
+        self.bias = float(loader.backend.to_numpy(bias)[0])  # added on the host: the GEMM has one output column
 
     def __call__(self, b: Backend, h: Any, prev: np.ndarray, markov: MarkovHead | None) -> np.ndarray:
         """float64 [rows]: sigmoid of the head for each row h [rows, H], whose previous tokens are prev [rows]."""
         x = h
-        if markov is not None:
+        if self.with_markov:
             x = b.cat([h, b.embedding(b.asarray(prev.astype(np.int32), "i32"), markov.w1)], axis=1)
-        z = b.to_numpy(b.linear(x, self.proj, self.bias))[:, 0].astype(np.float64)
+        z = b.to_numpy(b.linear(x, self.proj, out_f32=True))[:, 0].astype(np.float64) + self.bias
         return 1.0 / (1.0 + np.exp(-z))

@@ -80,7 +80,7 @@ class TargetModel:
                 residual, hidden = hidden, b.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
             else:
                 hidden, residual = b.add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
-            qkv = b.linear(hidden, layer.qkv, layer.qkv_bias)
+            qkv = b.linear(hidden, layer.qkv, layer.qkv_bias, out_f32=True)  # RoPE / store round once
             q = b.head_norm_rope(qkv[:, :q_dim], cfg.head_dim, batch.positions, self.rope_cos, self.rope_sin,
                                  layer.q_norm, cfg.rms_norm_eps)
             k = b.head_norm_rope(qkv[:, q_dim:q_dim + kv_dim], cfg.head_dim, batch.positions, self.rope_cos,
@@ -89,7 +89,8 @@ class TargetModel:
             attn = b.attention(q, kv.k[i], kv.v[i], batch.meta, self.scale, causal=True)
             hidden = b.linear(attn, layer.o_proj, layer.o_bias, out_f32=True)  # feeds the float32 residual
             hidden, residual = b.add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
-            hidden = b.linear(b.silu_mul(b.linear(hidden, layer.gate_up)), layer.down, out_f32=True)
+            gate_up = b.linear(hidden, layer.gate_up, out_f32=True)
+            hidden = b.linear(b.silu_mul(gate_up), layer.down, out_f32=True)
             if tap_layers and i in tap_layers:
                 taps[i] = b.add(hidden, residual)
         hidden, _ = b.add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)

@@ -8,7 +8,6 @@ import pytest
 
 from cudflash import LLM, SamplingParams
 from cudflash.engine.sequence import Sequence
-from cudflash.tiny import TinyShape, write_random_pair
 from tests.conftest import last_logits, top2_relative_gap
 
 MAX_NEW = 128
@@ -84,27 +83,3 @@ def test_goldens_on_the_gpu(tiny_pair, gpu_pair, cpu_pair, goldens):
     self_exact = _report("spec vs gpu ar", [o.token_ids for o in spec], [o.token_ids for o in ar], prompts, cpu_pair)
     assert ar_exact >= 30 and spec_exact >= 30 and self_exact >= 30
     assert abs(tau - 2.595) / 2.595 < 0.02, tau
-
-
-@pytest.mark.parametrize("shape", [
-    TinyShape(arch="qwen3", num_heads=4, num_kv_heads=4, head_dim=64, hidden_size=256, intermediate_size=512),
-    TinyShape(arch="qwen2", num_heads=8, num_kv_heads=2, head_dim=128, hidden_size=256, intermediate_size=512,
-              tie_word_embeddings=True, shards=2),
-    TinyShape(arch="llama", num_heads=8, num_kv_heads=1, head_dim=64, hidden_size=256, intermediate_size=512,
-              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                            "original_max_position_embeddings": 64}),
-], ids=["qwen3-d64", "qwen2-d128-tied", "llama3-gqa8"])
-def test_random_pairs_speculative_equals_autoregressive_on_gpu(tmp_path, shape):
-    target, draft = write_random_pair(tmp_path, shape, seed=1)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(2, shape.vocab_size, n).tolist() for n in (5, 17, 33)]
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
-    ar = LLM(target, backend="cuda", kv_block_size=8).generate(prompts, params)
-    spec = LLM(target, draft=draft, backend="cuda", kv_block_size=8).generate(prompts, params)
-    cpu = LLM(target, backend="cpu")
-    for p, a, s in zip(prompts, ar, spec):
-        if a.token_ids != s.token_ids:  # allowed only where float32 itself nearly ties (bf16 resolution 2^-8)
-            j = next(i for i, (x, y) in enumerate(zip(a.token_ids, s.token_ids)) if x != y)
-            gap = top2_relative_gap(last_logits(cpu, p + a.token_ids[:j]))
-            print(f"spec vs ar differ at {j}: float32 top-2 gap {gap:.2e}")
-            assert gap < 2 ** -8, gap

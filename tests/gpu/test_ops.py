@@ -168,6 +168,8 @@ def test_silu_mul(cb, rng, t, inter):
     gu = rnd(rng, t, 2 * inter, scale=2.0)
     poison_pool(t * inter * 2)
     check(cb.to_numpy(cb.silu_mul(cb.asarray(gu, "act"))), nb.silu_mul(gu))
+    gu32 = rng.standard_normal((t, 2 * inter)).astype(np.float32) * 2  # a float32 gate_up GEMM output
+    check(cb.to_numpy(cb.silu_mul(cp.asarray(gu32))), nb.silu_mul(gu32))
 
 
 @pytest.mark.parametrize("t,w", [(1, 64), (17, 4096)])
@@ -210,6 +212,9 @@ def test_head_norm_rope(cb, rng, d, norm, t):
         poison_pool(t * (hi - lo) * 2)
         got = cb.head_norm_rope(dev[:, lo:hi], d, dpos, dcos, dsin, dw, 1e-6)
         check(cb.to_numpy(got), nb.head_norm_rope(fused[:, lo:hi], d, pos, cos, sin, w, 1e-6))
+    fused32 = rng.standard_normal(fused.shape).astype(np.float32) * 2  # the float32 qkv GEMM output
+    got = cb.head_norm_rope(cp.asarray(fused32)[:, hq * d:(hq + hk) * d], d, dpos, dcos, dsin, dw, 1e-6)
+    check(cb.to_numpy(got), nb.head_norm_rope(fused32[:, hq * d:(hq + hk) * d], d, pos, cos, sin, w, 1e-6))
 
 
 @pytest.mark.parametrize("d,hk", [(64, 1), (128, 8), (256, 2)])
@@ -229,6 +234,11 @@ def test_store_kv(cb, rng, d, hk):
     for got, ref in [(cb.to_numpy(kc), ref_k), (cb.to_numpy(vc), ref_v)]:
         assert np.array_equal(np.isnan(got), np.isnan(ref))
         assert np.array_equal(got[~np.isnan(ref)], ref[~np.isnan(ref)])
+    # v straight from a float32 GEMM output: rounded to bf16 on the way in.
+    v32 = rng.standard_normal((t, hk * d)).astype(np.float32)
+    cb.store_kv(dev[:, hk * d:2 * hk * d], cp.asarray(v32), kc, vc, cb.asarray(slots, "i32"))
+    got_v = cb.to_numpy(vc)[slots[keep] // bs, slots[keep] % bs].reshape(keep.sum(), -1)
+    assert np.array_equal(got_v, rb(v32[keep]))
 
 
 @pytest.mark.parametrize("rows,vocab", [(1, 1000), (5, 1001), (16, 151936), (3, 8200)])

@@ -1,0 +1,196 @@
+"""CUDA graphs for the steady state: every running sequence decoding, no prefill in the step.
+
+Three graphs per (padded batch, block width, context bucket), captured lazily with CuPy's stream API:
+- propose graph: drafter forward over the block -> LM head on the mask rows -> argmax -> the drafts written
+  into the verify ids on the device (absent with block width 1, plain decoding);
+- verify graph: target forward over [pending token, drafts] -> float32 logits -> argmax (and the taps);
+- context graph: the taps of the committed rows (gathered by index, padded rows write nowhere) -> fc ->
+  hidden_norm -> stacked K/V GEMM -> k_norm + RoPE -> drafter cache.
+The host stages each step's inputs into the static buffers, replays, reads drafts and argmaxes back (one
+synchronisation), accepts, stages the committed rows and replays the context graph.
+
+Rules kept here: every buffer a graph touches is allocated before capture or during capture from a memory
+pool private to that step's graphs, and is kept alive with them (two steps sharing a pool corrupted each
+other's outputs: an illegal address on the H200); each shape is run once
+eagerly before capture so that kernels are compiled and cuBLAS has chosen its algorithms; nothing inside a
+capture copies between host and device or synchronises. Padded sequences use a dummy KV block and slot -1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import cupy
+import numpy as np
+
+from cudflash.backends.base import AttentionMeta
+from cudflash.backends.cuda_attention import DeviceMeta, batch_bucket, context_bucket
+from cudflash.engine.sequence import Sequence
+from cudflash.models.batch import ForwardBatch
+
+@dataclass
+class StepBuffers:
+    """Static inputs of one (padded batch, block width): the host writes them before each replay."""
+
+    n: int
+    q: int
+    ids: cupy.ndarray  # int32 [n * q]: [pending token, MASK x (q-1)] per sequence
+    positions: cupy.ndarray  # int32 [n * q]
+    slots: cupy.ndarray  # int32 [n * q]; -1 for padded sequences
+    cu_seqlens: cupy.ndarray  # int32 [n + 1] = arange * q (fixed)
+    context_lens: cupy.ndarray  # int32 [n]
+    block_tables: cupy.ndarray  # int32 [n, max_blocks]
+    draft_rows: cupy.ndarray  # int32 [n * (q - 1)]: the mask rows (fixed)
+    verify_ids: cupy.ndarray  # int32 [n * q]: ids with the drafts in place of the masks (written on the device)
+    ctx_rows: cupy.ndarray  # int32 [n * q]: committed rows to feed the drafter (padded with row 0)
+    ctx_positions: cupy.ndarray  # int32 [n * q]
+    ctx_slots: cupy.ndarray  # int32 [n * q]; -1 = padding
+
+
+@dataclass
+class CapturedStep:
+    propose_graph: Any | None  # cupy.cuda.Graph of the drafter block forward (speculative only)
+    verify_graph: Any  # cupy.cuda.Graph of the target forward
+    context_graph: Any | None  # cupy.cuda.Graph of the drafter context update (speculative only)
+    drafts: cupy.ndarray | None  # int32 [n * (q - 1)]
+    targets: cupy.ndarray  # int32 [n * q]: argmax of every verify row
+    logits: cupy.ndarray  # float32 [n * q, V]
+    keep: list[Any] = field(default_factory=list)  # everything else the graphs reference
+
+
+class StepGraphs:
+    def __init__(self, runner, max_blocks: int, dummy_block: int):
+        self.runner, self.b = runner, runner.backend
+        self.max_blocks, self.dummy_block = max_blocks, dummy_block
+        self.stream = cupy.cuda.get_current_stream()
+        self.buffers: dict[tuple[int, int], StepBuffers] = {}
+        self.steps: dict[tuple[int, int, int], CapturedStep] = {}
+        self.num_captures = 0
+
+    def fits(self, num_seqs: int) -> bool:
+        return batch_bucket(num_seqs) is not None
+
+    # ---- staging
+    def _buffers(self, n: int, q: int) -> StepBuffers:
+        key = (n, q)
+        if key not in self.buffers:
+            z = lambda *shape: cupy.zeros(shape, dtype=cupy.int32)  # noqa: E731
+            draft_rows = (np.arange(n)[:, None] * q + np.arange(1, q)[None, :]).reshape(-1)
+            self.buffers[key] = StepBuffers(
+                n, q, z(n * q), z(n * q), z(n * q), cupy.asarray(np.arange(n + 1, dtype=np.int32) * q), z(n),
+                z(n, self.max_blocks), cupy.asarray(draft_rows.astype(np.int32)), z(n * q), z(n * q), z(n * q),
+                z(n * q))
+        return self.buffers[key]
+
+    def stage(self, seqs: list[Sequence], q: int, mask: int) -> tuple[StepBuffers, int]:
+        n = batch_bucket(len(seqs))
+        buf = self._buffers(n, q)
+        bs = self.runner.blocks.block_size
+        ids = np.full((n, q), mask, dtype=np.int32)
+        positions = np.tile(np.arange(q, dtype=np.int32), (n, 1))
+        slots = np.full((n, q), -1, dtype=np.int32)
+        ctx = np.full(n, q, dtype=np.int32)
+        tables = np.full((n, self.max_blocks), self.dummy_block, dtype=np.int32)
+        for i, s in enumerate(seqs):
+            ids[i, 0] = s.last_token
+            pos = s.num_cached + np.arange(q)
+            positions[i] = pos
+            table = np.asarray(s.block_table, dtype=np.int32)
+            slots[i] = table[pos // bs] * bs + pos % bs
+            ctx[i] = s.num_cached + q
+            tables[i, : len(table)] = table
+        buf.ids.set(ids.reshape(-1))
+        buf.positions.set(positions.reshape(-1))
+        buf.slots.set(slots.reshape(-1))
+        buf.context_lens.set(ctx)
+        buf.block_tables.set(tables)
+        return buf, context_bucket(int(ctx.max()))
+
+    def _meta(self, buf: StepBuffers, ctx_bucket: int) -> AttentionMeta:
+        meta = AttentionMeta(np.arange(buf.n + 1, dtype=np.int32) * buf.q, np.full(buf.n, ctx_bucket, np.int32),
+                             np.zeros((buf.n, self.max_blocks), np.int32), buf.q, ctx_bucket)
+        meta.device = DeviceMeta(buf.cu_seqlens, buf.context_lens, buf.block_tables)
+        return meta
+
+    # ---- the captured work
+    def _propose_forward(self, buf: StepBuffers, meta: AttentionMeta) -> cupy.ndarray:
+        r, b = self.runner, self.b
+        hidden = r.draft.forward(ForwardBatch(buf.ids, buf.positions, buf.slots, meta), r.draft_kv, r.target)
+        drafts = b.argmax(r.target.logits(b.take_rows(hidden, buf.draft_rows)))
+        buf.verify_ids[...] = buf.ids
+        buf.verify_ids[buf.draft_rows] = drafts
+        return drafts
+
+    def _verify_forward(self, buf: StepBuffers, meta: AttentionMeta, speculative: bool):
+        r, b = self.runner, self.b
+        ids = buf.verify_ids if speculative else buf.ids
+        hidden, taps = r.target.forward(ForwardBatch(ids, buf.positions, buf.slots, meta), r.target_kv,
+                                        r.tap_layers if speculative else None)
+        logits = r.target.logits(hidden)
+        return b.argmax(logits), logits, taps
+
+    def _context_forward(self, buf: StepBuffers, taps: cupy.ndarray) -> None:
+        r, b = self.runner, self.b
+        r.draft.update_context(b.take_rows(taps, buf.ctx_rows), buf.ctx_positions, buf.ctx_slots, r.draft_kv)
+
+    def _graph(self, fn, *args):
+        """Run fn once eagerly (compiles kernels, lets cuBLAS choose its algorithms), then capture it."""
+        fn(*args)
+        self.stream.begin_capture()
+        out = fn(*args)
+        graph = self.stream.end_capture()
+        graph.upload(self.stream)
+        return graph, out
+
+    def _capture(self, buf: StepBuffers, ctx_bucket: int, speculative: bool) -> CapturedStep:
+        # The eager warm-ups run on the staged inputs: they write the KV slots the replay writes next, with the
+        # same values. The context warm-up writes nowhere (all its slots are -1).
+        meta = self._meta(buf, ctx_bucket)
+        # A private pool per captured step: its three graphs replay in the order they were captured, so they may
+        # share memory with each other, but never with another step's graphs (whose outputs stay alive).
+        pool = cupy.cuda.MemoryPool()
+        with cupy.cuda.using_allocator(pool.malloc):
+            propose_graph = drafts = context_graph = None
+            if speculative:
+                propose_graph, drafts = self._graph(self._propose_forward, buf, meta)
+            verify_graph, (targets, logits, taps) = self._graph(self._verify_forward, buf, meta, speculative)
+            if speculative:
+                buf.ctx_slots.fill(-1)
+                context_graph, _ = self._graph(self._context_forward, buf, taps)
+        self.num_captures += 1
+        return CapturedStep(propose_graph, verify_graph, context_graph, drafts, targets, logits,
+                            keep=[taps, meta, pool])
+
+    def propose(self, seqs: list[Sequence], q: int, mask: int) -> tuple[CapturedStep, StepBuffers]:
+        """Stage the step's inputs, capture its graphs if this shape is new, replay the propose graph."""
+        buf, ctx_bucket = self.stage(seqs, q, mask)
+        key = (buf.n, q, ctx_bucket)
+        if key not in self.steps:
+            self.steps[key] = self._capture(buf, ctx_bucket, q > 1)
+        step = self.steps[key]
+        if step.propose_graph is not None:
+            step.propose_graph.launch(self.stream)
+        return step, buf
+
+    def verify(self, step: CapturedStep) -> None:
+        step.verify_graph.launch(self.stream)
+
+    def commit_context(self, step: CapturedStep, buf: StepBuffers, seqs: list[Sequence],
+                       counts: list[int], starts: list[int]) -> None:
+        """Feed rows 0..count-1 of each sequence's block (now committed) to the drafter's context cache."""
+        bs = self.runner.blocks.block_size
+        rows = np.zeros(buf.n * buf.q, dtype=np.int32)
+        positions = np.zeros(buf.n * buf.q, dtype=np.int32)
+        slots = np.full(buf.n * buf.q, -1, dtype=np.int32)
+        k = 0
+        for i, (s, count, start) in enumerate(zip(seqs, counts, starts)):
+            pos = start + np.arange(count)
+            table = np.asarray(s.block_table, dtype=np.int32)
+            rows[k:k + count] = i * buf.q + np.arange(count)
+            positions[k:k + count] = pos
+            slots[k:k + count] = table[pos // bs] * bs + pos % bs
+            k += count
+        buf.ctx_rows.set(rows)
+        buf.ctx_positions.set(positions)
+        buf.ctx_slots.set(slots)
+        step.context_graph.launch(self.stream)
