@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --adaptive-verify: cost of one verified token relative to a step's fixed cost")
     g.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto")
     g.add_argument("--max-num-seqs", type=int, default=64, help="sequences in flight at once")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (op by op on the GPU)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of free device memory the KV cache may take")
     bench = sub.add_parser("bench", help="time AR and speculative steps (CUDA events on the GPU)")
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--block-size", type=int)
     bench.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto")
     bench.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    bench.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (op by op on the GPU)")
     bench.add_argument("--json", type=Path, metavar="FILE", help="write the numbers as JSON too")
     return parser
 
@@ -112,7 +114,8 @@ def generate(args: argparse.Namespace) -> None:
         options = DraftOptions(sliding_window=args.draft_window, confidence_threshold=args.confidence_threshold,
                                adaptive=args.adaptive_verify, verify_cost=args.verify_cost)
     llm = LLM(args.target, draft=args.draft, backend=args.backend, block_size=args.block_size, draft_options=options,
-              max_num_seqs=args.max_num_seqs, memory_utilization=args.gpu_memory_utilization, progress=True)
+              max_num_seqs=args.max_num_seqs, memory_utilization=args.gpu_memory_utilization, progress=True,
+              enforce_eager=args.enforce_eager)
     prompts = [r["prompt"] if "prompt" in r else r["prompt_ids"] for r in requests]
     start = time.perf_counter()
     results = llm.generate(prompts, params)
