@@ -5,6 +5,8 @@ import math
 
 import numpy as np
 
+from cudflash.engine.sampler import sample, target_probs
+
 
 def chi_square_pvalue(observed: np.ndarray, expected_probs: np.ndarray, min_expected: float = 5.0) -> float:
     """p-value that `observed` counts come from `expected_probs`; cells expected below min_expected are pooled."""
@@ -25,3 +27,19 @@ def chi_square_pvalue(observed: np.ndarray, expected_probs: np.ndarray, min_expe
         return 1.0
     z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
     return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def wrong_rejection_sample(rows, drafts, q, params, rng) -> list[int]:
+    """A deliberately wrong acceptance rule for the tests to catch: accept with min(1, p/q) as it should, but
+    after a rejection resample from p instead of the residual max(p - q, 0), which over-weights drafts."""
+    out = []
+    for j, d in enumerate(drafts):
+        p = target_probs(rows[j], params)
+        q_d = 1.0 if q is None else float(q[j][d])
+        if rng.random() * q_d < p[d]:
+            out.append(int(d))
+            continue
+        out.append(sample(p, rng))
+        return out
+    out.append(sample(target_probs(rows[len(drafts)], params), rng))
+    return out

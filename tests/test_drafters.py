@@ -25,7 +25,7 @@ from cudflash.errors import CudflashError
 from cudflash.tiny import TinyHeads, TinyShape, write_random_pair
 from tests.conftest import last_logits
 from tests.drafter_reference import Reference
-from tests.sampling_stats import chi_square_pvalue
+from tests.sampling_stats import chi_square_pvalue, wrong_rejection_sample
 
 SLIDING = ["sliding_attention", "full_attention"]
 KINDS = {
@@ -252,20 +252,7 @@ def test_selector_sampling_matches_the_target_distribution(selector_pair):
 
 def test_a_wrong_acceptance_rule_fails_the_selector_test(selector_pair, monkeypatch):
     """Accept with min(1, p/q) but resample from p (not the residual max(p - q, 0)): the test must catch it."""
-    def wrong(rows, drafts, q, params, rng):
-        out = []
-        for j, d in enumerate(drafts):
-            p = target_probs(rows[j], params)
-            q_d = 1.0 if q is None else float(q[j][d])
-            if rng.random() * q_d < p[d]:
-                out.append(int(d))
-                continue
-            out.append(sampler.sample(p, rng))
-            return out
-        out.append(sampler.sample(target_probs(rows[len(drafts)], params), rng))
-        return out
-
-    monkeypatch.setattr(sampler, "rejection_sample", wrong)
+    monkeypatch.setattr(sampler, "rejection_sample", wrong_rejection_sample)
     pvalues, _ = _sampled_pvalues(_llm(selector_pair, BLOCK, max_num_seqs=256))
     assert min(pvalues) < 1e-3, pvalues
 

@@ -17,7 +17,7 @@ from cudflash.engine.propose import Proposal
 from cudflash.engine.sampler import target_probs
 from cudflash.tiny import TinyShape, write_random_pair
 from tests.conftest import last_logits
-from tests.sampling_stats import chi_square_pvalue
+from tests.sampling_stats import chi_square_pvalue, wrong_rejection_sample
 
 VOCAB, BLOCK, RUNS = 16, 4, 3000
 PROMPT = [3, 7, 2, 9, 4]
@@ -92,19 +92,7 @@ def test_autoregressive_sampling_matches_the_target_distribution(pair):
 
 def test_a_wrong_acceptance_rule_fails_the_test(pair, monkeypatch):
     """Resampling from p (not the residual) after a rejection over-weights drafts: the test must catch it."""
-    def wrong(rows, drafts, q, params, rng):
-        out = []
-        for j, d in enumerate(drafts):
-            p = target_probs(rows[j], params)
-            if rng.random() < p[d]:
-                out.append(int(d))
-                continue
-            out.append(sampler.sample(p, rng))
-            return out
-        out.append(sampler.sample(target_probs(rows[len(drafts)], params), rng))
-        return out
-
-    monkeypatch.setattr(sampler, "rejection_sample", wrong)
+    monkeypatch.setattr(sampler, "rejection_sample", wrong_rejection_sample)
     llm = _llm(pair, BLOCK)
     llm.proposer = greedy_oracle(llm)
     params = SamplingParams(temperature=1.0)
