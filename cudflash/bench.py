@@ -212,7 +212,9 @@ def run_bench(args) -> str:
     llm = LLM(target, draft=draft, backend=args.backend, block_size=args.block_size, max_num_seqs=max(batches),
               max_num_batched_tokens=max(8192, args.prompt_len * max(batches)), random_weights=synthetic,
               progress=not synthetic, memory_utilization=args.gpu_memory_utilization,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager,
+              draft_options=None if args.draft_context_window is None else
+              {"context_window": args.draft_context_window})
     copy = copy_bandwidth_gb_s(llm.backend)
     results = [bench_batch(llm, n, args.prompt_len, args.steps, args.warmup, measured_tau=not synthetic)
                for n in batches]

@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, help="speculative block size (default: the drafter's; 1 = no drafting)")
     g.add_argument("--draft-window", type=int, metavar="N",
                    help="override the sliding window of the drafter's sliding layers (default: its config's; 0 = off)")
+    g.add_argument("--draft-context-window", type=int, metavar="N",
+                   help="bound every drafter layer's attention to the last N positions (long prompts)")
     g.add_argument("--confidence-threshold", type=float, default=0.0, metavar="C",
                    help="DSpark: cut each draft at its first row with confidence below C (default 0: off)")
     g.add_argument("--adaptive-verify", action="store_true",
@@ -66,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--block-size", type=int)
     bench.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto")
     bench.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    bench.add_argument("--draft-context-window", type=int, metavar="N",
+                       help="bound every drafter layer's attention to the last N positions")
     bench.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (op by op on the GPU)")
     bench.add_argument("--json", type=Path, metavar="FILE", help="write the numbers as JSON too")
     return parser
@@ -110,9 +114,11 @@ def generate(args: argparse.Namespace) -> None:
                              top_k=args.top_k, top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
               for r in requests]
     options = None
-    if args.draft_window is not None or args.confidence_threshold or args.adaptive_verify:
-        options = DraftOptions(sliding_window=args.draft_window, confidence_threshold=args.confidence_threshold,
-                               adaptive=args.adaptive_verify, verify_cost=args.verify_cost)
+    if (args.draft_window is not None or args.draft_context_window is not None or args.confidence_threshold
+            or args.adaptive_verify):
+        options = DraftOptions(sliding_window=args.draft_window, context_window=args.draft_context_window,
+                               confidence_threshold=args.confidence_threshold, adaptive=args.adaptive_verify,
+                               verify_cost=args.verify_cost)
     llm = LLM(args.target, draft=args.draft, backend=args.backend, block_size=args.block_size, draft_options=options,
               max_num_seqs=args.max_num_seqs, memory_utilization=args.gpu_memory_utilization, progress=True,
               enforce_eager=args.enforce_eager)

@@ -108,6 +108,7 @@ class DraftOptions:
     """Run-time drafting choices. None changes what is generated: verification keeps every one lossless."""
 
     sliding_window: int | None = None  # replaces the checkpoint's window on its sliding layers (0 = full attention)
+    context_window: int | None = None  # bounds every drafter layer's span over the context (long prompts)
     confidence_threshold: float = 0.0  # DSpark: cut each draft at its first row with confidence below this (0 = off)
     adaptive: bool = False  # DSpark: pick verify lengths from cumulative confidence against the batch's verify cost
     verify_cost: float = 0.05  # adaptive: cost of one verified token, relative to the fixed cost of a step
@@ -116,6 +117,9 @@ class DraftOptions:
         if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
                                                 or not isinstance(self.sliding_window, int) or self.sliding_window < 0):
             raise ConfigError(f"draft sliding window must be an integer >= 0, got {self.sliding_window!r}")
+        if self.context_window is not None and (isinstance(self.context_window, bool)
+                                                or not isinstance(self.context_window, int) or self.context_window < 1):
+            raise ConfigError(f"draft context window must be an integer >= 1, got {self.context_window!r}")
         if not 0.0 <= self.confidence_threshold < 1.0:
             raise ConfigError(f"confidence threshold must be in [0, 1), got {self.confidence_threshold}")
         if not self.verify_cost >= 0.0:
@@ -522,6 +526,9 @@ def apply_draft_options(dc: DraftConfig, opts: DraftOptions) -> DraftConfig:
             raise ConfigError(f"{dc.path}/config.json: drafter declares no sliding_attention layers; a sliding-window "
                               "override applies only to those")
         dc = replace(dc, layer_windows=[opts.sliding_window if w else 0 for w in dc.layer_windows])
+    if opts.context_window is not None:  # the tighter of the layer's own window and the bound
+        cw = opts.context_window
+        dc = replace(dc, layer_windows=[min(w, cw) if w else cw for w in dc.layer_windows])
     if opts.uses_confidence and not dc.confidence_head:
         raise ConfigError(f"{dc.path}/config.json: a confidence threshold or adaptive verify needs a drafter with a "
                           f"confidence head (this {dc.kind} drafter has none)")

@@ -143,3 +143,28 @@ def test_partial_acceptance_rolls_back_exactly(pair, reference):
     for p, out in zip(prompts, llm.generate(prompts, _greedy())):
         assert out.token_ids == reference[tuple(p)][:MAX_NEW]
         assert out.acceptance_lengths == [pattern(i) + 1 for i in range(len(out.acceptance_lengths))]
+
+
+def test_drafter_context_window_bounds_attention_and_stays_lossless(pair, reference):
+    """A context window on every drafter layer changes what the drafter proposes on long contexts (it no longer
+    sees old positions) but never what is generated."""
+    from cudflash.engine.propose import dflash_propose
+
+    (target, draft), shape = pair
+    prompts = _prompts(shape.vocab_size)
+    proposals = {}
+    for window in (None, 4):
+        llm = LLM(target, draft=draft, backend="cpu", kv_block_size=8,
+                  draft_options=None if window is None else {"context_window": window})
+        assert llm.draft_cfg.layer_windows == [window or 0] * shape.draft_layers
+        seen = []
+
+        def recording(runner, batch, seqs, block):
+            seen.append(runner.backend.to_numpy(runner.draft_forward(batch)).copy())  # the drafter's hidden rows
+            return dflash_propose(runner, batch, seqs, block)
+
+        llm.proposer = recording
+        for p, out in zip(prompts, llm.generate(prompts, _greedy())):
+            assert out.token_ids == reference[tuple(p)][:MAX_NEW]
+        proposals[window] = seen[0]
+    assert np.abs(proposals[None] - proposals[4]).max() > 1e-3
