@@ -52,6 +52,15 @@ _ARGMAX_CHUNK = 8192  # ARGMAX_CHUNK in argmax.cu
 _MAX_GRID_Y = 65535
 
 
+_DRAFT_NAMES = (tuple(f"block_conv<{x}, {c}, {b}>" for x in _TYPES for c in _TYPES for b in _TYPES)
+                + tuple(f"topk_level<{t}, {v}>" for t in _TYPES for v in ("false", "true"))
+                + ("topk_level<unsigned long long, false>", "topk_write<bf16>", "topk_write<float>",
+                   "pair_scores<bf16>", "pair_scores<float>"))
+_TOPK_CHUNK = 4096  # TOPK_CHUNK in draft_heads.cu
+_TOPK_MAX_K = 128  # TOPK_MAX_K
+_PS_TILE = 64  # PS_TILE
+
+
 def _rope_names(d: int) -> tuple[str, ...]:
     return tuple(f"head_norm_rope<{d}, {n}, {x}>" for n in ("false", "true") for x in _TYPES)
 
@@ -343,4 +352,92 @@ class CudaBackend:
             partial((cdiv(vocab, _ARGMAX_CHUNK), r1 - r0), (256,), (x[r0:r1], i64(sx), i32(vocab), keys[r0:r1]))
         kernel_loader.function("argmax", "argmax_finish", _ARGMAX_NAMES)(
             (cdiv(rows, 128),), (128,), (keys, out, i32(rows)))
+        return out
+
+    # ------------------------------------------------------------------ drafter heads (DFlash2)
+    def block_conv(self, x: cupy.ndarray, coeff: cupy.ndarray, base: cupy.ndarray, block: int) -> cupy.ndarray:
+        """Grouped dynamic depthwise conv along each block's rows (see NumpyBackend.block_conv); x bf16 or
+        float32 [T, C] (C % 8 == 0), coeff [T, K G] bf16 or float32 (a row-strided column slice is read in
+        place), base [K, C]. Returns x's dtype, contiguous."""
+        x, sx = rows_any(x, "block_conv x")
+        t, c = x.shape
+        if base.ndim != 2 or base.shape[1] != c:
+            raise BackendError(f"cuda block_conv: base shape {base.shape}, expected [taps, {c}]")
+        taps = base.shape[0]
+        base, sb = rows_any(base, "block_conv base")
+        if coeff.ndim != 2 or coeff.shape[0] != t or taps == 0 or coeff.shape[1] % taps:
+            raise BackendError(f"cuda block_conv: coeff shape {coeff.shape} for x {x.shape} and {taps} taps")
+        groups = coeff.shape[1] // taps
+        if groups == 0 or c % groups or block <= 0 or t % block:
+            raise BackendError(f"cuda block_conv: {groups} groups of {c} channels, {t} rows in blocks of {block}")
+        if coeff.dtype not in (self.act, np.float32):
+            raise BackendError(f"cuda block_conv: coeff must be bf16 or float32, got {coeff.dtype}")
+        if coeff.strides[1] != coeff.itemsize or coeff.strides[0] < 0 or coeff.strides[0] % coeff.itemsize:
+            coeff = cupy.ascontiguousarray(bits(coeff)).view(coeff.dtype) if coeff.dtype == self.act \
+                else cupy.ascontiguousarray(coeff)
+        sc = coeff.strides[0] // coeff.itemsize if t > 1 else coeff.shape[1]
+        out = cupy.empty((t, c), dtype=x.dtype)
+        if t:
+            name = f"block_conv<{_ctype(x)}, {_ctype(coeff)}, {_ctype(base)}>"
+            kernel_loader.function("draft_heads", name, _DRAFT_NAMES)(
+                (cdiv(t * c // 8, THREADS),), (THREADS,),
+                (x, i64(sx), coeff, i64(sc), base, i64(sb), out, i32(t), i32(c), i32(taps), i32(groups), i32(block)))
+        return out
+
+    def topk(self, x: cupy.ndarray, k: int) -> tuple[cupy.ndarray, cupy.ndarray]:
+        """(values float32 [T, k], ids int32 [T, k]) of the k largest entries of each row of x [T, V] (bf16 or
+        float32): value descending, equal values lower index first, exactly as NumpyBackend.topk."""
+        x = as_rows(x)
+        if x.dtype not in (self.act, np.float32):
+            x = x.astype(cupy.float32)
+        if x.strides[1] != x.itemsize or x.strides[0] < 0:
+            x = cupy.ascontiguousarray(bits(x)).view(self.act) if x.dtype == self.act else cupy.ascontiguousarray(x)
+        rows, vocab = x.shape
+        if not 1 <= k <= vocab or k > _TOPK_MAX_K:
+            raise BackendError(f"cuda topk: k = {k} for rows of {vocab} (1 <= k <= min(V, {_TOPK_MAX_K}))")
+        vals = cupy.empty((rows, k), dtype=cupy.float32)
+        ids = cupy.empty((rows, k), dtype=cupy.int32)
+        if rows == 0:
+            return vals, ids
+        sx = x.strides[0] // x.itemsize if rows > 1 else vocab
+        per_vec = 16 // x.itemsize
+        vec = x.data.ptr % 16 == 0 and (sx * x.itemsize) % 16 == 0 and vocab % per_vec == 0
+        tname = _ctype(x)
+        # Each level keeps the k largest keys of every TOPK_CHUNK inputs; repeat until one block per row is left.
+        src, s_in, n, name = x, sx, vocab, f"topk_level<{tname}, {'true' if vec else 'false'}>"
+        while True:
+            chunks = cdiv(n, _TOPK_CHUNK)
+            keys = cupy.empty((rows, chunks * k), dtype=cupy.uint64)
+            level = kernel_loader.function("draft_heads", name, _DRAFT_NAMES)
+            for r0 in range(0, rows, _MAX_GRID_Y):
+                r1 = min(rows, r0 + _MAX_GRID_Y)
+                level((chunks, r1 - r0), (256,), (src[r0:r1], i64(s_in), i32(n), i32(k), keys[r0:r1]))
+            if chunks == 1:
+                break
+            src, s_in, n, name = keys, chunks * k, chunks * k, "topk_level<unsigned long long, false>"
+        kernel_loader.function("draft_heads", f"topk_write<{tname}>", _DRAFT_NAMES)(
+            (cdiv(rows * k, 128),), (128,), (keys, x, i64(sx), vals, ids, i32(rows * k), i32(k)))
+        return vals, ids
+
+    def pair_scores(self, unary: cupy.ndarray, cand: Any, pred: Any, hidden: cupy.ndarray,
+                    pred_table: cupy.ndarray, succ_table: cupy.ndarray) -> cupy.ndarray:
+        """DFlash2 selector lattice (see NumpyBackend.pair_scores), float32 [R, P, K]: unary float32 [R, K],
+        cand int32 [R, K], pred int32 [R, P], hidden bf16 or float32 [R, r], tables bf16 [V, r] (r % 8 == 0)."""
+        unary = cupy.ascontiguousarray(unary, dtype=cupy.float32)
+        cand = cupy.ascontiguousarray(device_i32(cand))
+        pred = cupy.ascontiguousarray(device_i32(pred))
+        hidden, sh = rows_any(hidden, "pair_scores hidden")
+        a, sa = vec_rows(pred_table, "pair_scores pred_table")
+        b, sb = vec_rows(succ_table, "pair_scores succ_table")
+        r_rows, rank = hidden.shape
+        if unary.ndim != 2 or unary.shape[0] != r_rows or cand.shape != unary.shape or pred.ndim != 2 \
+                or pred.shape[0] != r_rows or a.shape[1] != rank or b.shape[1] != rank:
+            raise BackendError(f"cuda pair_scores: unary {unary.shape}, cand {cand.shape}, pred {pred.shape}, "
+                               f"hidden {hidden.shape}, tables {a.shape} / {b.shape} do not match")
+        k, p = unary.shape[1], pred.shape[1]
+        out = cupy.empty((r_rows, p, k), dtype=cupy.float32)
+        if r_rows and p and k:
+            kernel_loader.function("draft_heads", f"pair_scores<{_ctype(hidden)}>", _DRAFT_NAMES)(
+                (r_rows, cdiv(p, _PS_TILE), cdiv(k, _PS_TILE)), (256,),
+                (unary, cand, pred, hidden, i64(sh), a, i64(sa), b, i64(sb), out, i32(p), i32(k), i32(rank)))
         return out

@@ -1,7 +1,7 @@
 """DFlash2 and DSpark drafters on the CUDA backend (skipped without a device, see conftest.py).
 
-- The ops added for the drafters (`block_conv`, `topk`, `pair_scores`) against their numpy definitions; each test
-  skips while the CUDA backend does not have the op yet.
+- The ops added for the drafters (`block_conv`, `topk`, `pair_scores`) against their numpy definitions (more cases,
+  float32 inputs and strided views in test_ops.py).
 - Whole generations on the device: speculative greedy == autoregressive greedy for every drafter kind (in bf16 a
   divergence is reported, and accepted only at a near-tie of the target's logits), the identity-initialised
   DFlash2 conv drafting what the DFlash backbone drafts, and selector sampling against the target distribution.
@@ -26,13 +26,6 @@ from tests.conftest import last_logits, top2_relative_gap  # noqa: E402
 from tests.sampling_stats import chi_square_pvalue  # noqa: E402
 
 nb = NumpyBackend()
-NEW_OPS = ("block_conv", "topk", "pair_scores")
-
-
-def needs(*ops: str) -> None:
-    missing = [op for op in ops if not hasattr(CudaBackend, op)]
-    if missing:
-        pytest.skip(f"cuda backend has no {', '.join(missing)} yet")
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +52,6 @@ def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
 
 @pytest.mark.parametrize("taps,groups,h,block,n", [(2, 320, 5120, 8, 3), (2, 4, 64, 6, 2), (3, 8, 64, 4, 5)])
 def test_block_conv(cb, rng, taps, groups, h, block, n):
-    needs("block_conv")
     t = block * n
     x, base = rb(rng.standard_normal((t, h))), rb(1 + 0.2 * rng.standard_normal((taps, h)))
     coeff = rb(0.1 * rng.standard_normal((t, 2 * taps * groups)))  # a fused projection: use its first half
@@ -71,7 +63,6 @@ def test_block_conv(cb, rng, taps, groups, h, block, n):
 
 @pytest.mark.parametrize("rows,vocab,k", [(7, 248320, 16), (24, 151936, 16), (5, 16, 8), (3, 1000, 1)])
 def test_topk(cb, rng, rows, vocab, k):
-    needs("topk")
     x = rb(rng.standard_normal((rows, vocab)) * 4)
     x[0, 10:20] = x[0].max() + 1  # ties at the top: lower index first
     vals, ids = cb.topk(cb.asarray(x, "act"), k)
@@ -82,7 +73,6 @@ def test_topk(cb, rng, rows, vocab, k):
 
 @pytest.mark.parametrize("r,p,k,rank,vocab", [(56, 16, 16, 256, 248320), (6, 4, 4, 16, 300)])
 def test_pair_scores(cb, rng, r, p, k, rank, vocab):
-    needs("pair_scores")
     unary = rng.standard_normal((r, k)).astype(np.float32)
     cand = rng.integers(0, vocab, (r, k)).astype(np.int32)
     pred = rng.integers(0, vocab, (r, p)).astype(np.int32)
@@ -96,12 +86,11 @@ def test_pair_scores(cb, rng, r, p, k, rank, vocab):
 # ------------------------------------------------------------------------------------------ whole drafters
 
 KINDS = {
-    "dflash2": (TinyHeads(kind="dflash2", layer_types=["sliding_attention", "full_attention"], sliding_window=5),
-                NEW_OPS),
-    "dflash2-small-vocab": (TinyHeads(kind="dflash2", draft_vocab_size=96), NEW_OPS),
-    "dspark-deepspec": (TinyHeads(kind="dspark"), ()),
-    "dspark-nested": (TinyHeads(kind="dspark", dialect="nested"), ()),
-    "dspark-small-vocab": (TinyHeads(kind="dspark", draft_vocab_size=96), ()),
+    "dflash2": TinyHeads(kind="dflash2", layer_types=["sliding_attention", "full_attention"], sliding_window=5),
+    "dflash2-small-vocab": TinyHeads(kind="dflash2", draft_vocab_size=96),
+    "dspark-deepspec": TinyHeads(kind="dspark"),
+    "dspark-nested": TinyHeads(kind="dspark", dialect="nested"),
+    "dspark-small-vocab": TinyHeads(kind="dspark", draft_vocab_size=96),
 }
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 33)), [3, 4]]
 MAX_NEW = 32
@@ -109,9 +98,8 @@ MAX_NEW = 32
 
 @pytest.fixture(scope="module", params=list(KINDS))
 def pair(request, tmp_path_factory):
-    heads, ops = KINDS[request.param]
-    shape = TinyShape(heads=heads, hidden_size=128, head_dim=64)  # the device kernels' head dims
-    return write_random_pair(tmp_path_factory.mktemp(request.param), shape, seed=7), ops, request.param
+    shape = TinyShape(heads=KINDS[request.param], hidden_size=128, head_dim=64)  # the device kernels' head dims
+    return write_random_pair(tmp_path_factory.mktemp(request.param), shape, seed=7), request.param
 
 
 def _llm(paths, block=None, **kw) -> LLM:
@@ -129,8 +117,7 @@ def _check_same_or_near_tie(llm: LLM, prompt: list[int], got: list[int], want: l
 
 @pytest.mark.parametrize("options", [None, {"confidence_threshold": 0.5}, {"adaptive": True}])
 def test_speculative_greedy_equals_autoregressive(pair, options):
-    paths, ops, kind = pair
-    needs(*ops)
+    paths, kind = pair
     if options and not kind.startswith("dspark"):
         pytest.skip("confidence options need a DSpark drafter")
     params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
@@ -142,7 +129,6 @@ def test_speculative_greedy_equals_autoregressive(pair, options):
 
 
 def test_identity_conv_drafts_what_the_dflash_backbone_drafts(tmp_path):
-    needs(*NEW_OPS)
     shape = dict(hidden_size=128, head_dim=64)
     runs = []
     for name, heads in (("a", TinyHeads()), ("b", TinyHeads(kind="dflash2", conv_identity=True, selector_scale=0.0))):
@@ -153,7 +139,6 @@ def test_identity_conv_drafts_what_the_dflash_backbone_drafts(tmp_path):
 
 
 def test_selector_sampling_matches_the_target_distribution(tmp_path):
-    needs(*NEW_OPS)
     vocab, block, runs, prompt = 16, 4, 2000, [3, 7, 2, 9, 4]
     shape = TinyShape(vocab_size=vocab, hidden_size=64, head_dim=64, num_layers=2, intermediate_size=64,
                       target_layer_ids=[0, 1], block_size=block, mask_token_id=15, eos_token_id=0,

@@ -252,6 +252,96 @@ def test_argmax(cb, rng, rows, vocab, dtype):
     assert np.array_equal(got, np.argmax(x, axis=-1).astype(np.int32))
 
 
+# ----------------------------------------------------------------------------------------------- drafter heads
+BLOCK_CONV_SHAPES = [(2, 320, 5120, 16, 3), (2, 4, 64, 6, 2), (3, 5, 40, 4, 5), (1, 8, 64, 3, 2), (4, 16, 256, 8, 4)]
+
+
+@pytest.mark.parametrize("taps,groups,h,block,n", BLOCK_CONV_SHAPES)
+@pytest.mark.parametrize("dtype", ["act", "f32"])
+def test_block_conv(cb, rng, taps, groups, h, block, n, dtype):
+    t, half = block * n, taps * groups
+    x = rnd(rng, t, h, scale=2.0) if dtype == "act" else rng.standard_normal((t, h)).astype(np.float32)
+    base = rb(1 + 0.2 * rng.standard_normal((taps, h)))
+    fused = rnd(rng, t, 2 * half, scale=0.1)  # the fused projection: [first application | second application]
+    dx, dbase, dfused = cb.asarray(x, dtype), cb.asarray(base, "act"), cb.asarray(fused, "act")
+    # The device computes the reference's float32 values in the reference's order (no FMA): a float32 x gives
+    # them bit for bit, a bf16 x gives them rounded once to bf16.
+    exact = (lambda ref: ref) if dtype == "f32" else rb
+    for coeff, dcoeff in [(fused[:, :half], dfused[:, :half]),  # row-strided column slices, in place
+                          (fused[:, half:], dfused[:, half:]),  # ... the second at an offset (not 16-byte aligned)
+                          (fused[:, half:], cp.asarray(fused)[:, half:])]:  # float32 coefficients
+        ref = nb.block_conv(x, coeff, base, block)
+        poison_pool(t * h * 4)
+        got = cb.block_conv(dx, dcoeff, dbase, block)
+        assert got.dtype == dx.dtype and got.shape == (t, h)
+        assert np.array_equal(cb.to_numpy(got), exact(ref))
+
+
+def _topk_rows(rng, x: np.ndarray, k: int) -> np.ndarray:
+    """Plant the hard cases in the first rows of x."""
+    rows, vocab = x.shape
+    x[0, 10:20] = x[0].max() + 1  # ties at the top: lower index first
+    if rows > 1:  # a tie straddling the k-th place, spread over the whole row (every chunk of the kernel)
+        kth = np.sort(x[1])[-k]
+        x[1, rng.choice(vocab, size=min(vocab, 3 * k + 5), replace=False)] = kth
+    if rows > 2:
+        x[2] = 0.5  # all equal: ids 0 .. k-1
+    if rows > 3:  # +0 and -0 compare equal (ordered by index), and infinities
+        x[3] = np.where(rng.random(vocab) < 0.5, np.float32(-0.0), np.float32(0.0))
+        x[3, rng.choice(vocab, size=min(vocab, k // 2 + 1), replace=False)] = -np.inf
+        x[3, rng.choice(vocab, size=min(vocab, k // 4 + 1), replace=False)] = np.inf
+    if rows > 4:
+        x[4] = -np.sort(-x[4])  # sorted: the top k all in the first chunk / first threads
+    if rows > 5:
+        x[5, : min(vocab, 8 * k)] += 100  # the top k clustered in one place, with more candidates than k
+    return x
+
+
+@pytest.mark.parametrize("rows,vocab,k", [(7, 248320, 16), (24, 151936, 16), (2, 151936, 64), (300, 32000, 16),
+                                          (6, 4097, 64), (5, 16, 8), (3, 1000, 1), (6, 9000, 128), (6, 130, 128)])
+@pytest.mark.parametrize("dtype", ["act", "f32"])
+@pytest.mark.parametrize("strided", [False, True])
+def test_topk(cb, rng, rows, vocab, k, dtype, strided):
+    raw = rng.standard_normal((rows, vocab)).astype(np.float32) * 4
+    x = _topk_rows(rng, raw, k)
+    if dtype == "act":
+        x = rb(x)  # what the device stores (ties stay ties)
+    if strided:  # a row-strided view at an odd offset: the scalar-load path
+        wide = np.zeros((rows, vocab + 5), dtype=np.float32)
+        wide[:, 3:3 + vocab] = x
+        dx = cb.asarray(wide, dtype)[:, 3:3 + vocab]
+    else:
+        dx = cb.asarray(x, dtype)
+    poison_pool(rows * k * 4)
+    vals, ids = cb.topk(dx, k)
+    assert vals.dtype == cp.float32 and ids.dtype == cp.int32 and vals.shape == ids.shape == (rows, k)
+    ref_vals, ref_ids = nb.topk(x, k)
+    assert np.array_equal(cb.to_numpy(ids), ref_ids)
+    got_vals = cb.to_numpy(vals)
+    assert np.array_equal(got_vals, ref_vals) and np.array_equal(np.signbit(got_vals), np.signbit(ref_vals))
+
+
+@pytest.mark.parametrize("r,p,k,rank,vocab", [(56, 16, 16, 256, 50000), (6, 4, 4, 16, 300), (3, 70, 65, 72, 1000),
+                                              (2, 1, 128, 8, 100), (40, 16, 16, 200, 4000)])
+@pytest.mark.parametrize("hidden_dtype", ["act", "f32"])
+def test_pair_scores(cb, rng, r, p, k, rank, vocab, hidden_dtype):
+    unary = rng.standard_normal((r, k)).astype(np.float32)
+    cand = rng.integers(0, vocab, (r, k)).astype(np.int32)
+    pred = rng.integers(0, vocab, (r, p)).astype(np.int32)
+    pred[:, 0] = cand[:, 0]  # repeated ids
+    hwide = rnd(rng, r, rank + 8, scale=0.3)
+    if hidden_dtype == "f32":
+        hwide = (rng.standard_normal((r, rank + 8)) * 0.3).astype(np.float32)
+    h = hwide[:, 8:]  # the selector's hidden projection as a row-strided view
+    a, b = rnd(rng, vocab, rank, scale=0.3), rnd(rng, vocab, rank, scale=0.3)
+    ref = nb.pair_scores(unary, cand, pred, h, a, b)
+    poison_pool(r * p * k * 4)
+    got = cb.pair_scores(cb.asarray(unary, "f32"), cb.asarray(cand, "i32"), cb.asarray(pred, "i32"),
+                         cb.asarray(hwide, hidden_dtype)[:, 8:], cb.asarray(a, "act"), cb.asarray(b, "act"))
+    assert got.dtype == cp.float32 and got.shape == (r, p, k)
+    check(cb.to_numpy(got), ref, tol=1e-5)  # float32 throughout: only the summation order differs
+
+
 # ----------------------------------------------------------------------------------------------- attention
 def make_paged(rng, d, hk, q_lens, ctx_lens, block_size=16):
     """Random paged caches with shuffled physical blocks, random queries, and the matching metadata."""
