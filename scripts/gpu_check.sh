@@ -18,7 +18,8 @@ gen_rc=$?
 
 echo
 echo "================ cudflash GPU check ================"
-echo "commit   $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo ' (+ uncommitted changes)')"
+# The device machine gets a copy of the tree without .git: the caller may name the commit in CUDFLASH_COMMIT.
+echo "commit   ${CUDFLASH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}"
 echo "device   $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
 echo "cupy     $(python3 -c 'import cupy; print(cupy.__version__)')"
 echo "tests    $(tail -1 "$out/gpu_tests.log")"
