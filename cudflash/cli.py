@@ -107,7 +107,7 @@ def read_requests(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def generate(args: argparse.Namespace) -> None:
     from cudflash import LLM, SamplingParams
-    from cudflash.config import DraftOptions
+    from cudflash.draft_config import DraftOptions
 
     requests = read_requests(args)
     params = [SamplingParams(max_tokens=r.get("max_new_tokens", args.max_new_tokens), temperature=args.temperature,

@@ -1,20 +1,14 @@
-"""Target and drafter configs, read from Hugging Face `config.json` files in every dialect seen in the wild.
+"""Target configs, read from Hugging Face `config.json` files in every dialect seen in the wild, and the field
+readers the drafter configs (draft_config.py) share.
 
-Dialects handled here so that no model code ever looks at raw JSON:
-- RoPE base as `rope_theta` (older) or inside `rope_parameters` (newer), scaling as `rope_scaling` or inside
-  `rope_parameters` (`rope_type` or `type`: default, llama3, yarn).
-- DFlash `block_size` at the top level (DFlash-1) or inside `dflash_config` (DFlash2 releases).
-- `target_layer_ids` / `mask_token_id` inside `dflash_config`, with the reference's default layer rule.
-- The drafter family from `architectures` and `dflash_config.projector_type`: DFlash, DFlash2 (dynamic conv and
-  path selector, fields in `dflash_config`), DSpark in both of its dialects: DeepSpec-native `Qwen3DSparkModel`
-  (head fields at the top level, no projector_type) and the nested one (`DSparkDraftModel` or projector_type
-  "dspark", head fields inside `dflash_config`). Both DSpark dialects parse to the same `DraftConfig`.
-- A smaller drafter vocabulary (`draft_vocab_size`, remapped through the checkpoint's `d2t` tensor).
+Dialects handled here so that no model code ever looks at raw JSON: RoPE base as `rope_theta` (older) or inside
+`rope_parameters` (newer), scaling as `rope_scaling` or inside `rope_parameters` (`rope_type` or `type`:
+default, llama3, yarn).
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +26,6 @@ DRAFT_ARCHITECTURES = {
     "Qwen3DSparkModel": "dspark",  # DeepSpec-native: DSpark fields at the top level
 }
 PROJECTOR_TYPES = {"dflash": "dflash", "dflash2": "dflash2", "dspark": "dspark"}
-
-
 @dataclass(slots=True)
 class RopeConfig:
     theta: float
@@ -69,65 +61,6 @@ class TargetConfig:
     o_proj_bias: bool  # an o_proj bias too (Llama / Qwen3 with attention_bias; never Qwen2)
     qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
     eos_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class DraftConfig:
-    path: str
-    kind: str  # dflash
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope: RopeConfig
-    max_position_embeddings: int
-    attention_bias: bool
-    block_size: int
-    target_layer_ids: list[int]
-    mask_token_id: int
-    vocab_size: int | None
-    # Per drafter layer: 0 for full attention, else the sliding window (in tokens) over the context.
-    layer_windows: list[int] = field(default_factory=list)
-    num_target_layers: int | None = None  # depth of the target it was trained for, when the config says
-    shifted_rows: bool = False  # DSpark: every block row, the anchor's included, predicts the NEXT position
-    conv_kernel_size: int = 0  # DFlash2 dynamic depthwise conv around each sublayer: taps (0 = none)
-    conv_group_size: int = 0  # channels sharing one dynamic coefficient
-    selector_rank: int = 0  # DFlash2 path selector: codebook rank (0 = none)
-    selector_top_k: int = 0  # candidates per row
-    markov_rank: int = 0  # DSpark vanilla Markov head: rank of the bigram bias W2 W1[prev] (0 = none)
-    confidence_head: bool = False  # DSpark per-row acceptance predictor
-    confidence_with_markov: bool = False  # its input is [h ; W1[prev]] rather than h
-    draft_vocab_size: int | None = None  # smaller drafter vocabulary: own lm_head + d2t remap (None = target's)
-
-
-@dataclass(slots=True)
-class DraftOptions:
-    """Run-time drafting choices. None changes what is generated: verification keeps every one lossless."""
-
-    sliding_window: int | None = None  # replaces the checkpoint's window on its sliding layers (0 = full attention)
-    context_window: int | None = None  # bounds every drafter layer's span over the context (long prompts)
-    confidence_threshold: float = 0.0  # DSpark: cut each draft at its first row with confidence below this (0 = off)
-    adaptive: bool = False  # DSpark: pick verify lengths from cumulative confidence against the batch's verify cost
-    verify_cost: float = 0.05  # adaptive: cost of one verified token, relative to the fixed cost of a step
-
-    def __post_init__(self) -> None:
-        if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
-                                                or not isinstance(self.sliding_window, int) or self.sliding_window < 0):
-            raise ConfigError(f"draft sliding window must be an integer >= 0, got {self.sliding_window!r}")
-        if self.context_window is not None and (isinstance(self.context_window, bool)
-                                                or not isinstance(self.context_window, int) or self.context_window < 1):
-            raise ConfigError(f"draft context window must be an integer >= 1, got {self.context_window!r}")
-        if not 0.0 <= self.confidence_threshold < 1.0:
-            raise ConfigError(f"confidence threshold must be in [0, 1), got {self.confidence_threshold}")
-        if not self.verify_cost >= 0.0:
-            raise ConfigError(f"verify cost must be >= 0, got {self.verify_cost}")
-
-    @property
-    def uses_confidence(self) -> bool:
-        return self.confidence_threshold > 0.0 or self.adaptive
 
 
 _REQUIRED = object()
@@ -323,7 +256,7 @@ def load_target_config(model_dir: str | Path) -> TargetConfig:
     return tc
 
 
-def _check_heads(c: TargetConfig | DraftConfig, path: str) -> None:
+def _check_heads(c: Any, path: str) -> None:  # a TargetConfig or a DraftConfig
     if c.num_heads % c.num_kv_heads:
         raise ConfigError(
             f"{path}: num_attention_heads {c.num_heads} is not a multiple of num_key_value_heads {c.num_kv_heads}"
@@ -331,235 +264,3 @@ def _check_heads(c: TargetConfig | DraftConfig, path: str) -> None:
     if c.head_dim % 2:
         raise ConfigError(f"{path}: head_dim {c.head_dim} must be even for RoPE")
 
-
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """The reference rule: evenly spaced from layer 1 to layer N-3 (one layer: the middle one)."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    span = num_target_layers - 4
-    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
-
-
-def _one_of(dcfg: dict, cfg: dict, key: str) -> Any:
-    """`dflash_config.<key>`, else top-level `<key>`: the nested value overrides (DFlash2 exports carry both)."""
-    nested = dcfg.get(key)
-    return nested if nested is not None else cfg.get(key)
-
-
-def _nested_int(dcfg: dict, cfg: dict, key: str, path: str, default: Any = 0, minimum: int = 0) -> Any:
-    """An integer field read with `_one_of` (nested `dflash_config` first), named in errors as it is spelled."""
-    where = f"dflash_config.{key}" if dcfg.get(key) is not None else key
-    return _int({key: _one_of(dcfg, cfg, key)}, key, path, default=default, minimum=minimum, label=where)
-
-
-def _nested_bool(dcfg: dict, cfg: dict, keys: tuple[str, ...], path: str, default: bool) -> bool:
-    for key in keys:
-        value = _one_of(dcfg, cfg, key)
-        if value is not None:
-            if not isinstance(value, bool):
-                raise ConfigError(f"{path}: field '{key}' should be true or false, got {value!r}")
-            return value
-    return default
-
-
-def _draft_kind(cfg: dict, dcfg: dict, path: str) -> str:
-    """Which family the checkpoint belongs to: its architecture, refined by projector_type and by head fields."""
-    if cfg.get("speculators_model_type") is not None:
-        raise ConfigError(
-            f"{path}: speculators flat format (speculators_model_type {cfg['speculators_model_type']!r}) is not "
-            "supported; convert it to the Hugging Face form with a 'dflash_config' block"
-        )
-    archs = cfg.get("architectures") or []
-    if isinstance(archs, str):
-        archs = [archs]
-    kind = next((DRAFT_ARCHITECTURES[a] for a in archs if a in DRAFT_ARCHITECTURES), None)
-    if kind is None:
-        hint = " (that is a target model, not a drafter)" if any(a in TARGET_ARCHITECTURES for a in archs) else ""
-        raise ConfigError(
-            f"{path}: unknown drafter architecture {archs or 'none given'!r}{hint} "
-            f"(supported: {', '.join(DRAFT_ARCHITECTURES)})"
-        )
-    projector = dcfg.get("projector_type")
-    if projector is not None:
-        if projector not in PROJECTOR_TYPES:
-            raise ConfigError(f"{path}: unsupported dflash_config.projector_type {projector!r} "
-                              f"(supported: {', '.join(PROJECTOR_TYPES)})")
-        if kind != "dflash" and PROJECTOR_TYPES[projector] != kind:
-            raise ConfigError(f"{path}: dflash_config.projector_type {projector!r} contradicts architecture "
-                              f"{archs[0]!r}")
-        kind = PROJECTOR_TYPES[projector]
-    if kind == "dflash":
-        # A DFlashDraftModel export carrying DSpark heads is DSpark (Markov / confidence heads exist only there);
-        # one carrying the conv or selector is DFlash2, as the serving engines read it.
-        if _one_of(dcfg, cfg, "markov_rank") or _one_of(dcfg, cfg, "enable_confidence_head") \
-                or _one_of(dcfg, cfg, "use_confidence_head"):
-            kind = "dspark"
-        elif _one_of(dcfg, cfg, "conv_kernel_size") or _one_of(dcfg, cfg, "selector_rank"):
-            kind = "dflash2"
-    return kind
-
-
-def _draft_heads(cfg: dict, dcfg: dict, path: str, kind: str, hidden: int) -> dict[str, Any]:
-    """The DFlash2 / DSpark head settings as DraftConfig fields; anything unsupported is an error, never dropped."""
-    out: dict[str, Any] = {}
-    conv = _nested_int(dcfg, cfg, "conv_kernel_size", path)
-    rank = _nested_int(dcfg, cfg, "selector_rank", path)
-    markov = _nested_int(dcfg, cfg, "markov_rank", path)
-    if kind == "dflash2":
-        if not conv and not rank:
-            raise ConfigError(f"{path}: DFlash2 drafter declares neither 'dflash_config.conv_kernel_size' nor "
-                              "'dflash_config.selector_rank'")
-        if conv:
-            group = _nested_int(dcfg, cfg, "conv_group_size", path, default=None, minimum=1)
-            if group is None:
-                raise ConfigError(f"{path}: missing field 'dflash_config.conv_group_size' (conv_kernel_size {conv})")
-            if hidden % group:
-                raise ConfigError(f"{path}: conv_group_size {group} does not divide hidden_size {hidden}")
-            out.update(conv_kernel_size=conv, conv_group_size=group)
-        if rank:
-            top_k = _nested_int(dcfg, cfg, "selector_top_k", path, default=None, minimum=1)
-            if top_k is None:
-                raise ConfigError(f"{path}: missing field 'dflash_config.selector_top_k' (selector_rank {rank})")
-            out.update(selector_rank=rank, selector_top_k=top_k)
-    elif conv or rank:
-        raise ConfigError(f"{path}: conv_kernel_size / selector_rank (DFlash2 fields) on a {kind} drafter")
-    if kind == "dspark":
-        if _one_of(dcfg, cfg, "shift_label") is False:
-            raise ConfigError(f"{path}: DSpark with shift_label false is not supported (DSpark rows are shifted)")
-        head_type = str(_one_of(dcfg, cfg, "markov_head_type") or "vanilla").lower()
-        if markov and head_type != "vanilla":
-            raise ConfigError(f"{path}: Markov head type {head_type!r} is not supported (only 'vanilla')")
-        confidence = _nested_bool(dcfg, cfg, ("enable_confidence_head", "use_confidence_head"), path, False)
-        with_markov = confidence and _nested_bool(dcfg, cfg, ("confidence_head_with_markov",), path, True)
-        if with_markov and not markov:
-            raise ConfigError(f"{path}: confidence_head_with_markov needs a Markov head (markov_rank is 0)")
-        out.update(shifted_rows=True, markov_rank=markov, confidence_head=confidence,
-                   confidence_with_markov=with_markov)
-    elif markov:
-        raise ConfigError(f"{path}: markov_rank (a DSpark field) on a {kind} drafter")
-    causal = cfg.get("is_causal", dcfg.get("causal"))
-    if causal:
-        raise ConfigError(f"{path}: causal drafter attention (is_causal: true) is not supported; the block is "
-                          "attended bidirectionally")
-    return out
-
-
-def load_draft_config(model_dir: str | Path) -> DraftConfig:
-    model_dir = Path(model_dir)
-    cfg = read_config_json(model_dir)
-    path = str(model_dir / "config.json")
-    dcfg = cfg.get("dflash_config") or {}
-    if not isinstance(dcfg, dict):
-        raise ConfigError(f"{path}: field 'dflash_config' should be an object, got {dcfg!r}")
-    kind = _draft_kind(cfg, dcfg, path)
-    hidden = _int(cfg, "hidden_size", path)
-    heads = _int(cfg, "num_attention_heads", path)
-    num_layers = _int(cfg, "num_hidden_layers", path)
-    _check_mlp(cfg, path)
-
-    block_size = _int({"block_size": _one_of(dcfg, cfg, "block_size")}, "block_size", path,
-                      default=None, label="block_size")
-    if block_size is None:
-        raise ConfigError(f"{path}: missing field 'block_size' (top level or in 'dflash_config')")
-
-    num_target_layers = _int(cfg, "num_target_layers", path, default=None)
-    layer_ids = _one_of(dcfg, cfg, "target_layer_ids")
-    if layer_ids is None:
-        if num_target_layers is None:
-            raise ConfigError(f"{path}: missing 'dflash_config.target_layer_ids' (and no 'num_target_layers')")
-        layer_ids = default_target_layer_ids(num_target_layers, num_layers)
-    if (not isinstance(layer_ids, list) or not layer_ids
-            or not all(isinstance(i, int) and not isinstance(i, bool) for i in layer_ids)):
-        raise ConfigError(f"{path}: 'dflash_config.target_layer_ids' should be a non-empty list of integers, got {layer_ids!r}")
-
-    mask = _one_of(dcfg, cfg, "mask_token_id")
-    if mask is None:
-        raise ConfigError(f"{path}: missing field 'dflash_config.mask_token_id'")
-    mask = _int({"m": mask}, "m", path, minimum=0, label="dflash_config.mask_token_id")
-
-    layer_types = cfg.get("layer_types") or ["full_attention"] * num_layers
-    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
-        n = len(layer_types) if isinstance(layer_types, list) else layer_types
-        raise ConfigError(f"{path}: 'layer_types' has {n} entries, expected {num_layers} (num_hidden_layers)")
-    windows = []
-    for t in layer_types:
-        if t == "full_attention":
-            windows.append(0)
-        elif t == "sliding_attention":
-            windows.append(_int(cfg, "sliding_window", path))
-        else:
-            raise ConfigError(
-                f"{path}: unknown layer type {t!r} in 'layer_types' (expected full_attention or sliding_attention)"
-            )
-    dc = DraftConfig(
-        path=str(model_dir),
-        kind=kind,
-        hidden_size=hidden,
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=_int(cfg, "num_key_value_heads", path, default=heads),
-        head_dim=_head_dim(cfg, path, hidden, heads),
-        intermediate_size=_int(cfg, "intermediate_size", path),
-        rms_norm_eps=_float(cfg, "rms_norm_eps", path, 1e-6),
-        rope=parse_rope(cfg, path),
-        max_position_embeddings=_int(cfg, "max_position_embeddings", path, default=0),
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        block_size=block_size,
-        target_layer_ids=list(layer_ids),
-        mask_token_id=mask,
-        vocab_size=_int(cfg, "vocab_size", path, default=None),
-        layer_windows=windows,
-        num_target_layers=num_target_layers,
-        draft_vocab_size=_nested_int(dcfg, cfg, "draft_vocab_size", path, default=None, minimum=1),
-        **_draft_heads(cfg, dcfg, path, kind, hidden),
-    )
-    if dc.draft_vocab_size is not None and dc.draft_vocab_size == dc.vocab_size:
-        dc.draft_vocab_size = None  # the full vocabulary: nothing to remap
-    _check_heads(dc, path)
-    return dc
-
-
-def apply_draft_options(dc: DraftConfig, opts: DraftOptions) -> DraftConfig:
-    """The drafter config as this run uses it: the checkpoint's values unless an option overrides them."""
-    if opts.sliding_window is not None:
-        if not any(dc.layer_windows):
-            raise ConfigError(f"{dc.path}/config.json: drafter declares no sliding_attention layers; a sliding-window "
-                              "override applies only to those")
-        dc = replace(dc, layer_windows=[opts.sliding_window if w else 0 for w in dc.layer_windows])
-    if opts.context_window is not None:  # the tighter of the layer's own window and the bound
-        cw = opts.context_window
-        dc = replace(dc, layer_windows=[min(w, cw) if w else cw for w in dc.layer_windows])
-    if opts.uses_confidence and not dc.confidence_head:
-        raise ConfigError(f"{dc.path}/config.json: a confidence threshold or adaptive verify needs a drafter with a "
-                          f"confidence head (this {dc.kind} drafter has none)")
-    return dc
-
-
-def validate_pair(target: TargetConfig, draft: DraftConfig) -> None:
-    """A drafter borrows the target's embedding, LM head and hidden states: their shapes must agree."""
-    where = f"{draft.path}/config.json vs {target.path}/config.json"
-    if draft.hidden_size != target.hidden_size:
-        raise ConfigError(f"{where}: drafter hidden_size {draft.hidden_size} != target hidden_size {target.hidden_size}")
-    if draft.vocab_size is not None and draft.vocab_size != target.vocab_size:
-        raise ConfigError(f"{where}: drafter vocab_size {draft.vocab_size} != target vocab_size {target.vocab_size}")
-    if draft.num_target_layers is not None and draft.num_target_layers != target.num_layers:
-        raise ConfigError(
-            f"{where}: drafter num_target_layers {draft.num_target_layers} != target num_hidden_layers "
-            f"{target.num_layers} (drafter trained for a different target)"
-        )
-    for i in draft.target_layer_ids:
-        if not 0 <= i < target.num_layers:
-            raise ConfigError(
-                f"{where}: drafter target_layer_ids entry {i} outside the target's {target.num_layers} layers "
-                f"(0..{target.num_layers - 1})"
-            )
-    if draft.draft_vocab_size is not None and draft.draft_vocab_size > target.vocab_size:
-        raise ConfigError(f"{where}: drafter draft_vocab_size {draft.draft_vocab_size} > target vocab_size "
-                          f"{target.vocab_size}")
-    if draft.selector_top_k > (draft.draft_vocab_size or target.vocab_size):
-        raise ConfigError(f"{where}: drafter selector_top_k {draft.selector_top_k} exceeds its vocabulary")
-    if not 0 <= draft.mask_token_id < target.vocab_size:
-        raise ConfigError(
-            f"{where}: drafter mask_token_id {draft.mask_token_id} outside the target vocabulary "
-            f"(vocab_size {target.vocab_size})"
-        )

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from cudflash.config import (DraftConfig, TargetConfig, default_target_layer_ids, load_draft_config,
-                             load_target_config, parse_rope, validate_pair)
+from cudflash.config import TargetConfig, load_target_config, parse_rope
+
+from cudflash.draft_config import DraftConfig, default_target_layer_ids, load_draft_config, validate_pair
 from cudflash.errors import ConfigError, CudflashError
 from cudflash.tiny import TinyShape, draft_config, target_config, write_random_pair
 
@@ -617,7 +618,7 @@ def test_pair_checks_drafter_vocabularies(tmp_path):
 
 
 def test_draft_options(tmp_path):
-    from cudflash.config import DraftOptions, apply_draft_options
+    from cudflash.draft_config import DraftOptions, apply_draft_options
     d = load_draft_config(write_cfg(tmp_path / "a", zlab_dflash2_27b()))
     assert apply_draft_options(d, DraftOptions()) is d  # the checkpoint's values by default
     assert apply_draft_options(d, DraftOptions(sliding_window=512)).layer_windows == [512] * 5

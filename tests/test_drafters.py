@@ -18,7 +18,7 @@ import pytest
 import cudflash.engine.sampler as sampler
 from cudflash import LLM, SamplingParams
 from cudflash.backends.numpy_backend import NumpyBackend
-from cudflash.config import DraftOptions
+from cudflash.draft_config import DraftOptions
 from cudflash.engine.propose import adaptive_lengths, confident_lengths
 from cudflash.engine.sampler import target_probs
 from cudflash.errors import CudflashError

@@ -1,8 +1,6 @@
 """Properties that need no golden, on tiny random checkpoints the tests write themselves."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Iterator, Sequence as Seq
 
 from cudflash.backends import get_backend
-from cudflash.config import DraftOptions, apply_draft_options, load_draft_config, load_target_config, validate_pair
+from cudflash.config import load_target_config
+from cudflash.draft_config import DraftOptions, apply_draft_options, load_draft_config, validate_pair
 from cudflash.engine.model_runner import ModelRunner
 from cudflash.engine.scheduler import Scheduler
 from cudflash.engine.sequence import Sequence, SequenceStatus

@@ -13,7 +13,8 @@ import numpy as np
 
 from cudflash.backends.base import Backend, build_meta
 from cudflash.checkpoint import Checkpoint
-from cudflash.config import DraftConfig, TargetConfig
+from cudflash.config import TargetConfig
+from cudflash.draft_config import DraftConfig
 from cudflash.engine.block_manager import BlockManager
 from cudflash.engine.sequence import Sequence
 from cudflash.errors import BackendError

@@ -28,7 +28,7 @@ from typing import Callable
 
 import numpy as np
 
-from cudflash.config import DraftOptions
+from cudflash.draft_config import DraftOptions
 from cudflash.engine.model_runner import ModelRunner
 from cudflash.engine.sequence import Sequence
 from cudflash.models.batch import ForwardBatch

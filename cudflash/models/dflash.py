@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from cudflash.backends.base import Backend
-from cudflash.config import DraftConfig, TargetConfig
+from cudflash.config import TargetConfig
+from cudflash.draft_config import DraftConfig
 from cudflash.errors import ConfigError
 from cudflash.models.batch import ForwardBatch, KVCache
 from cudflash.models.draft_checkpoint import DraftCheckpoint

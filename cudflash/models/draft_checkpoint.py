@@ -16,7 +16,7 @@ import numpy as np
 
 from cudflash.backends.base import Backend
 from cudflash.checkpoint import SafetensorsFile
-from cudflash.config import DraftConfig
+from cudflash.draft_config import DraftConfig
 from cudflash.errors import CheckpointError, ConfigError
 from cudflash.models.weights import RandomWeights, WeightLoader
 
