@@ -83,3 +83,10 @@ def test_request_that_can_never_fit_the_pool(tmp_path):
     with pytest.raises(RequestError, match="can never fit the KV pool"):
         llm.generate([[3] * 10], SamplingParams(max_tokens=20))
     assert len(llm.generate([[3] * 5], SamplingParams(max_tokens=10, ignore_eos=True))[0].token_ids) == 10
+
+
+def test_a_bad_request_leaves_nothing_queued(llm):
+    with pytest.raises(RequestError, match="empty prompt"):
+        llm.generate([[5, 6], [], [7]], SamplingParams(max_tokens=5))
+    assert not llm.has_unfinished() and not llm.requests
+    assert llm.runner.blocks.num_free == llm.runner.blocks.num_blocks

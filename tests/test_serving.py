@@ -155,3 +155,11 @@ def test_load_mixed_requests_with_preemption_and_aborts(pair):
             assert len(r.token_ids) == sp.max_tokens
         # Greedy: the target's own output. Sampled: same seed, same output, whatever shared the batch.
         assert r.token_ids == solo.generate([p], sp)[0].token_ids
+
+
+def test_finished_streams_and_results_are_forgotten(pair):
+    target, draft = pair
+    llm = LLM(target, draft=draft, backend="cpu", kv_block_size=8)
+    list(llm.stream([5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True)))
+    llm.generate([[8, 9]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert llm.requests == {} and not llm.has_unfinished()

@@ -207,7 +207,15 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise RequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids: list[int] = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.add_request(p, sp))
+        except Exception:  # a bad request: none of this call's requests may stay queued
+            for i in ids:
+                self.abort(i)
+                self.requests.pop(i)
+            raise
         while any(not self.requests[i].finished for i in ids):
             self.step()
         return [self.result(i) for i in ids]
@@ -222,8 +230,10 @@ class LLM:
                         yield out
         finally:
             self.abort(request_id)
+            self.requests.pop(request_id)
 
     def result(self, request_id: int) -> GenerationResult:
+        """The finished request's output; it is forgotten afterwards (call once per add_request)."""
         seq = self.requests.pop(request_id)
         text = seq.text if self.tokenizer is not None else None
         return GenerationResult(seq.prompt_ids, list(seq.output_ids), text, seq.finish_reason or "length",
