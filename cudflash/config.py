@@ -81,14 +81,18 @@ def read_config_json(model_dir: str | Path) -> dict[str, Any]:
     return cfg
 
 
+def _missing(path: str, label: str, default: Any) -> Any:
+    if default is _REQUIRED:
+        raise ConfigError(f"{path}: missing field '{label}'")
+    return default
+
+
 def _int(cfg: dict, key: str, path: str, default: Any = _REQUIRED, minimum: int | None = 1, label: str = "") -> Any:
     """An integer field (integral floats such as 4096.0 accepted; bools and strings are not)."""
     label = label or key
     value = cfg.get(key)
     if value is None:
-        if default is _REQUIRED:
-            raise ConfigError(f"{path}: missing field '{label}'")
-        return default
+        return _missing(path, label, default)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool):
@@ -102,9 +106,7 @@ def _float(cfg: dict, key: str, path: str, default: Any = _REQUIRED, positive: b
     label = label or key
     value = cfg.get(key)
     if value is None:
-        if default is _REQUIRED:
-            raise ConfigError(f"{path}: missing field '{label}'")
-        return default
+        return _missing(path, label, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise ConfigError(f"{path}: field '{label}' should be a number, got {value!r}")
     if positive and not value > 0:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from cudflash.engine.sequence import Sequence
+from cudflash.errors import CudflashError
 from cudflash.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,3 +44,13 @@ def last_logits(llm, ids: list[int]) -> np.ndarray:
 def top2_relative_gap(logits: np.ndarray) -> float:
     a, b = np.sort(logits)[-2:][::-1]
     return float((a - b) / max(abs(a), 1e-12))
+
+
+def expect_error(exc_info: pytest.ExceptionInfo, *needles: object) -> str:
+    """A user error's message is one line and names every needle (file, tensor, field, values)."""
+    msg = str(exc_info.value)
+    assert isinstance(exc_info.value, CudflashError)
+    assert "\n" not in msg, msg
+    for needle in needles:
+        assert str(needle) in msg, f"{needle!r} not in {msg!r}"
+    return msg

@@ -13,6 +13,7 @@ from cudflash.checkpoint import MAX_HEADER_BYTES, Checkpoint, SafetensorsFile, b
 from cudflash.errors import CheckpointError, CudflashError
 from cudflash.tiny import (TinyShape, float32_to_bf16_bits, target_tensors, write_model, write_random_pair,
                            write_safetensors)
+from tests.conftest import expect_error
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -29,16 +30,6 @@ def write_raw(path: Path, header: dict | bytes, data: bytes = b"", header_len: i
 
 def entry(dtype: str, shape: list[int], begin: int, end: int) -> dict:
     return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
-
-
-def expect_error(exc_info: pytest.ExceptionInfo, *needles: str) -> str:
-    """The message is one line and names every needle (file, tensor, values)."""
-    msg = str(exc_info.value)
-    assert isinstance(exc_info.value, CudflashError)
-    assert "\n" not in msg, msg
-    for needle in needles:
-        assert str(needle) in msg, f"{needle!r} not in {msg!r}"
-    return msg
 
 
 def bf16_round(x: np.ndarray) -> np.ndarray:

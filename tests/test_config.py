@@ -13,6 +13,7 @@ from cudflash.config import TargetConfig, load_target_config, parse_rope
 from cudflash.draft_config import DraftConfig, default_target_layer_ids, load_draft_config, validate_pair
 from cudflash.errors import ConfigError, CudflashError
 from cudflash.tiny import TinyShape, draft_config, target_config, write_random_pair
+from tests.conftest import expect_error
 
 LLAMA31_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 8192, "rope_type": "llama3"}
@@ -23,15 +24,6 @@ def write_cfg(directory: Path, cfg: dict) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(cfg))
     return directory
-
-
-def expect_error(exc_info: pytest.ExceptionInfo, *needles: object) -> str:
-    msg = str(exc_info.value)
-    assert isinstance(exc_info.value, CudflashError)
-    assert "\n" not in msg, msg
-    for needle in needles:
-        assert str(needle) in msg, f"{needle!r} not in {msg!r}"
-    return msg
 
 
 def target_error(tmp_path: Path, cfg: dict, *needles: object) -> str:

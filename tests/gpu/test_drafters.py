@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import warnings
-import zlib
 
 import numpy as np
 import pytest
@@ -17,7 +16,6 @@ import pytest
 cp = pytest.importorskip("cupy")
 
 from cudflash import LLM, SamplingParams  # noqa: E402
-from cudflash.backends.cuda_backend import CudaBackend  # noqa: E402
 from cudflash.backends.cuda_util import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: E402
 from cudflash.backends.numpy_backend import NumpyBackend  # noqa: E402
 from cudflash.engine.sampler import target_probs  # noqa: E402
@@ -26,16 +24,6 @@ from tests.conftest import last_logits, top2_relative_gap  # noqa: E402
 from tests.sampling_stats import chi_square_pvalue  # noqa: E402
 
 nb = NumpyBackend()
-
-
-@pytest.fixture(scope="module")
-def cb() -> CudaBackend:
-    return CudaBackend()
-
-
-@pytest.fixture
-def rng(request) -> np.random.Generator:
-    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
 
 
 def rb(x: np.ndarray) -> np.ndarray:

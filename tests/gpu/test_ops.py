@@ -8,7 +8,6 @@ forgets to write show up as NaN rather than as stale plausible values.
 """
 from __future__ import annotations
 
-import zlib
 
 import numpy as np
 import pytest
@@ -17,23 +16,12 @@ cp = pytest.importorskip("cupy")
 
 from cudflash.backends import cuda_attention  # noqa: E402
 from cudflash.backends.base import build_meta  # noqa: E402
-from cudflash.backends.cuda_backend import CudaBackend  # noqa: E402
 from cudflash.backends.cuda_util import bf16_bits_to_f32, bits, f32_to_bf16_bits  # noqa: E402
 from cudflash.backends.numpy_backend import NumpyBackend  # noqa: E402
 
 TOL = 1e-2
 NAN_BITS = 0x7FC0
 nb = NumpyBackend()
-
-
-@pytest.fixture(scope="module")
-def cb() -> CudaBackend:
-    return CudaBackend()
-
-
-@pytest.fixture
-def rng(request) -> np.random.Generator:
-    return np.random.default_rng(zlib.crc32(request.node.name.encode()))  # fresh per test, reproducible
 
 
 def rb(x: np.ndarray) -> np.ndarray:
