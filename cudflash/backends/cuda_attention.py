@@ -25,10 +25,6 @@ BN = 64  # keys per K/V tile (ATTN_BN in attention.cu)
 THREADS = 128
 HEAD_DIMS = (64, 128, 256)
 MAX_SPLITS = 64
-# Keys a split must own to pay for itself: below ~512 keys the fixed cost of a split (its Q load, its float32
-# partial write, the combine launch) outweighs the parallelism (profile: 12.6 us per layer at context 512 with
-# 4 splits of 2 tiles, against a K/V read of 0.1 us).
-MIN_TILES_PER_SPLIT = 8
 
 
 @dataclass(slots=True)
@@ -100,14 +96,14 @@ def context_bucket(n: int) -> int:
 
 def choose_splits(base_ctas: int, max_context: int, slots: int) -> int:
     """How many CTAs share one key range: fill the resident slots once (a second, mostly idle wave costs more
-    than it saves), each split keeping at least MIN_TILES_PER_SPLIT K/V tiles.
+    than it saves), each split keeping at least 2 K/V tiles.
 
     Callers pass the bucketed batch and context (batch_bucket, context_bucket), as a CUDA graph captured for
     that bucket must: eager and graphed execution then split alike and round alike."""
     ktiles = cdiv(max_context, BN)
-    if base_ctas * 2 > slots or ktiles < 2 * MIN_TILES_PER_SPLIT:
+    if base_ctas * 2 > slots or ktiles < 4:
         return 1
-    return max(1, min(slots // base_ctas, ktiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+    return max(1, min(slots // base_ctas, ktiles // 2, MAX_SPLITS))
 
 
 def attention(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, meta: AttentionMeta, scale: float,
