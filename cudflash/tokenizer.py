@@ -18,6 +18,21 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def decode_delta(self, ids: list[int], prefix_offset: int, read_offset: int,
+                     final: bool = False) -> tuple[str, int, int]:
+        """Text that ids[read_offset:] add, decoding only a short window instead of the whole output.
+
+        Tokens before `read_offset` are already text; the window starts at `prefix_offset`, the previous read
+        boundary, which is a character boundary. Returns ("", same offsets) while the new tokens end inside a
+        multi-byte character (unless `final`: the output ends there), else (delta, read_offset, len(ids)) as the
+        next offsets.
+        """
+        prefix = self.decode(ids[prefix_offset:read_offset])
+        full = self.decode(ids[prefix_offset:])
+        if not final and (len(full) <= len(prefix) or full.endswith("\ufffd")):
+            return "", prefix_offset, read_offset
+        return full[len(prefix):], read_offset, len(ids)
+
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
     """None when there is no tokenizer.json or the `tokenizers` package is missing."""

@@ -69,3 +69,20 @@ def test_text_round_trip(tiny_pair):
     out = llm.generate(["def add(a, b):\n    return"], SamplingParams(max_tokens=8, ignore_eos=True))[0]
     assert isinstance(out.text, str) and out.text == llm.tokenizer.decode(out.token_ids)
     assert llm.tokenizer.encode("def add(a, b):") == llm._prompt_ids("def add(a, b):")
+
+
+def test_incremental_detokenization_equals_decoding_everything(tiny_pair):
+    """Decoding token by token through short windows gives the full decode, and never emits half a character."""
+    llm = LLM(tiny_pair / "target", backend="cpu")
+    tok = llm.tokenizer
+    if tok is None:
+        pytest.skip("tokenizers is not installed")
+    ids = tok.encode("déjà vu — naïve café ✓ 数据 ok\n    return x  # ünïcödé")
+    text, offsets, held = "", (0, 0), 0
+    for n in range(1, len(ids) + 1):
+        delta, *offsets = tok.decode_delta(ids[:n], *offsets, final=n == len(ids))
+        assert "\ufffd" not in delta
+        held += delta == ""
+        text += delta
+    assert held > 0  # characters really were split across tokens here
+    assert text == tok.decode(ids)

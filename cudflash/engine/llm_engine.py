@@ -183,7 +183,11 @@ class LLM:
             self._detokenize(seq, first_new)
 
     def _detokenize(self, seq: Sequence, first_new: int) -> None:
-        text = self.tokenizer.decode(seq.output_ids)
+        """Extend seq.text by this step's tokens (decoding a short window, not the whole output), then cut at a
+        stop string if one appeared."""
+        delta, *offsets = self.tokenizer.decode_delta(seq.output_ids, *seq.detok_offsets, final=seq.finished)
+        seq.detok_offsets = tuple(offsets)
+        text = seq.text + delta
         for stop in seq.params.stop:
             at = text.find(stop, max(0, len(seq.text) - len(stop)))
             if at != -1:
@@ -194,8 +198,6 @@ class LLM:
                 text = text[:at]
                 self._finish(seq, "stop")
                 break
-        if not seq.finished:
-            text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for its remaining bytes
         seq.text = text
 
     # ---- convenience

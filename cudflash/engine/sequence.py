@@ -41,6 +41,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     text: str = ""  # detokenised output so far (when a tokenizer is present)
+    detok_offsets: tuple[int, int] = (0, 0)  # (window start, tokens already in `text`) for incremental decoding
     rng: np.random.Generator = field(default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
