@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +72,15 @@ def test_errors_are_one_line_with_exit_code_2(pair, tmp_path, args, message):
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("cudflash: error: ") and message in last, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_example_runs_on_a_fresh_checkout(tmp_path):
+    """`python examples/generate.py` with no arguments: the trained tiny pair when ../shared is there, else a
+    tiny random pair written to a temporary folder; either way it generates and reports what it used."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "generate.py"
+    r = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "tiny pair" in r.stderr  # says which models it used
+    lines = dict(line.split(":", 1) for line in r.stdout.splitlines() if ":" in line and not line.startswith(" "))
+    assert lines["backend"].split()[0] in ("cpu", "cuda")
+    assert lines["tokens"].split()[0] == "64"
