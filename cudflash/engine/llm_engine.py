@@ -142,7 +142,7 @@ class LLM:
         plan = self.scheduler.schedule()
         while plan.empty and self.scheduler.running:
             # Every running sequence is stuck prefilling on a full pool: free the youngest for the others.
-            self.scheduler.preempt_youngest(plan)
+            self.scheduler.preempt_youngest()
             plan = self.scheduler.schedule()
         if plan.empty:
             return []

@@ -43,10 +43,15 @@ class Proposal:
 Proposer = Callable[[ModelRunner, ForwardBatch, list[Sequence], int], Proposal]
 
 
+def block_rows(n: int, block: int, first: int, count: int) -> np.ndarray:
+    """Rows first .. first+count-1 of each of n blocks of `block` rows, flattened: where the drafts come from."""
+    return (np.arange(n)[:, None] * block + np.arange(first, first + count)[None, :]).reshape(-1)
+
+
 def dflash_propose(runner: ModelRunner, batch: ForwardBatch, seqs: list[Sequence], block: int) -> Proposal:
     """Drafter forward over the block batch; row j predicts position L + j, so rows 1..block-1 are the drafts."""
     hidden = runner.draft_forward(batch)
-    rows = (np.arange(len(seqs))[:, None] * block + np.arange(1, block)[None, :]).reshape(-1)
+    rows = block_rows(len(seqs), block, 1, block - 1)
     drafts = runner.backend.to_numpy(runner.backend.argmax(runner.logits(hidden, rows)))
     return Proposal(drafts.reshape(len(seqs), block - 1).astype(np.int64))
 
@@ -78,7 +83,7 @@ class DraftProposer:
         b, draft = runner.backend, runner.draft
         n, slots = len(seqs), block - 1
         first = 0 if runner.draft_cfg.shifted_rows else 1
-        rows = (np.arange(n)[:, None] * block + np.arange(first, first + slots)[None, :]).reshape(-1)
+        rows = block_rows(n, block, first, slots)
         h = b.take_rows(runner.draft_forward(batch), b.asarray(rows.astype(np.int32), "i32"))  # [n S, H]
         logits = draft.logits(h, runner.target)  # [n S, Vd]
         anchors = np.array([s.last_token for s in seqs], dtype=np.int64)

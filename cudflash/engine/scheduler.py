@@ -21,7 +21,6 @@ from cudflash.engine.sequence import Sequence, SequenceStatus
 class StepPlan:
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute now)
     decodes: list[Sequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -52,17 +51,15 @@ class Scheduler:
             self.waiting.remove(seq)
         self.blocks.free(seq)
 
-    def preempt_youngest(self, plan: StepPlan) -> None:
-        self._preempt(self.running[-1], plan)
+    def preempt_youngest(self) -> None:
+        self._preempt(self.running[-1])
 
-    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+    def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
         self.running.remove(seq)
         self.blocks.free(seq)
-        seq.num_hashed_blocks = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        plan.preempted.append(seq)
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
@@ -71,7 +68,7 @@ class Scheduler:
             if seq not in self.running:
                 continue  # preempted while making room for an older sequence
             while not self.blocks.can_reserve(seq, seq.num_cached + lookahead):
-                self._preempt(self.running[-1], plan)
+                self._preempt(self.running[-1])
                 if seq not in self.running:
                     break
             else:
@@ -85,7 +82,6 @@ class Scheduler:
             self.blocks.match_prefix(seq)
             if not self.blocks.can_reserve(seq, seq.num_cached + min(budget, seq.prefill_end - seq.num_cached)):
                 self.blocks.free(seq)
-                seq.num_hashed_blocks = 0
                 break
             self.waiting.popleft()
             self.num_prefix_hit_tokens += seq.num_cached
