@@ -26,21 +26,17 @@ WORKSPACE_BYTES = 32 << 20  # what cuBLAS recommends for Hopper
 _LIB_RE = re.compile(r"/libcublas\.so(\.\d+)*$")
 
 
-def loaded_library(pattern: re.Pattern) -> str | None:
-    """Path of a shared library already mapped into this process (CuPy's cuBLAS, say) whose path matches."""
+def _loaded_cublas() -> str | None:
+    """Path of a libcublas.so already mapped into this process (CuPy's), if any."""
     try:
         with open("/proc/self/maps") as f:
             for line in f:
                 fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
-                if len(fields) == 6 and pattern.search(fields[5].strip()):
+                if len(fields) == 6 and _LIB_RE.search(fields[5].strip()):
                     return fields[5].strip()
     except OSError:
         pass
     return None
-
-
-def _loaded_cublas() -> str | None:
-    return loaded_library(_LIB_RE)
 
 
 def _find_cublas() -> str:
