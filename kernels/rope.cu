@@ -1,60 +1,90 @@
-// rope.cu: optional per-head RMSNorm (Qwen3 q_norm / k_norm) followed by rotate-half RoPE.
+// rope.cu: optional per-head RMSNorm (Qwen3 q_norm / k_norm) and rotate-half RoPE of a fused qkv row, with the
+// K and V heads written straight into one layer's paged KV cache (one launch instead of rope q, rope k, store).
 //
-// head_norm_rope<D, NORM, X>: x [T, heads * D] X (bf16, or the float32 output of the qkv GEMM) with row stride sx (elements; x may be a column slice of a
-// fused qkv GEMM output, read in place); out contiguous [T, heads * D] bf16; positions int32 [T];
-// cos, sin float32 [max_pos, D / 2]; w [D] bf16 (NORM only).
-//   h   = NORM ? w * (x_head * rsqrt(mean(x_head^2) + eps)) : x_head        (float32)
-//   out = [h1 * cos - h2 * sin, h2 * cos + h1 * sin]   with h1 = h[:D/2], h2 = h[D/2:]
+// rope_store<D, NORM, X>: x [T, (Hq + 2 Hk) * D] X (bf16, or the float32 output of the qkv GEMM) with row stride
+// sx (elements; x may be a column slice of a fused GEMM output, read in place): Hq q heads, Hk k heads, Hk v heads;
+// positions int32 [T]; cos, sin float32 [max_pos, D / 2]; q_w, k_w [D] bf16 (NORM only);
+// slots int32 [T] (cache row of token t = block * block_size + offset; < 0: padding, nothing stored);
+// q_out contiguous [T, Hq * D] bf16; k_cache, v_cache [num_blocks, block_size, Hk, D] bf16.
+//   q, k head:  h = NORM ? w * (x_head * rsqrt(mean(x_head^2) + eps)) : x_head        (float32)
+//               rope(h) = [h1 * cos - h2 * sin, h2 * cos + h1 * sin]   with h1 = h[:D/2], h2 = h[D/2:]
+//   q head -> q_out[t] = rope(h); k head -> k_cache[slots[t]] = rope(h); v head -> v_cache[slots[t]] = x_head.
+// The head_norm_rope op is the Hk = 0 case (every head a q head; slots and caches unused).
 // Grid: flat, D/16 consecutive threads per (row, head); thread j owns elements 8j..8j+7 of both halves
 // (two 16-byte loads), so the rotation partner is in the same thread. The head's sum of squares is reduced
 // over its D/16 lanes with xor-shuffles (D/16 divides 32, so a head never straddles a warp).
 #include "common.cuh"
 
+// Rotates one thread's elements in place: a = h[8j..8j+7] (first half), b = its partners in the second half.
+template <int D>
+__device__ __forceinline__ void rope8(float* a, float* b, const float* __restrict__ cos_t,
+                                      const float* __restrict__ sin_t, long long p, int j) {
+    constexpr int HALF = D / 2;
+    const float4* cp = reinterpret_cast<const float4*>(cos_t + p * HALF + 8 * j);
+    const float4* sp = reinterpret_cast<const float4*>(sin_t + p * HALF + 8 * j);
+    const float4 c0 = cp[0], c1 = cp[1], s0 = sp[0], s1 = sp[1];
+    const float c[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+    const float s[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const float o1 = a[e] * c[e] - b[e] * s[e];
+        const float o2 = b[e] * c[e] + a[e] * s[e];
+        a[e] = o1;
+        b[e] = o2;
+    }
+}
+
 template <int D, bool NORM, typename X>
-__global__ void head_norm_rope(const X* __restrict__ x, long long sx, const int* __restrict__ positions,
-                               const float* __restrict__ cos_t, const float* __restrict__ sin_t,
-                               const bf16* __restrict__ w, bf16* __restrict__ out, int T, int heads, float eps) {
+__global__ void rope_store(const X* __restrict__ x, long long sx, const int* __restrict__ positions,
+                           const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                           const bf16* __restrict__ q_w, const bf16* __restrict__ k_w, const int* __restrict__ slots,
+                           bf16* __restrict__ q_out, bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
+                           int T, int q_heads, int kv_heads, float eps) {
     constexpr int TPH = D / 16, HALF = D / 2;
+    const int heads = q_heads + 2 * kv_heads;
     const long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     const bool valid = g < (long long)T * heads * TPH;
     const int j = (int)(g % TPH);
     const long long th = valid ? g / TPH : 0;
     const int h = (int)(th % heads);
     const long long t = th / heads;
+    const bool is_v = h >= q_heads + kv_heads;
     float a[8], b[8];
     const X* src = x + t * sx + h * D + 8 * j;
     load8(src, 0, a);
     load8(src + HALF, 0, b);
     if (NORM) {
+        // Every lane takes part in the full-mask shuffles, v heads and out-of-range lanes included (their sum is
+        // discarded): a warp may hold k and v heads side by side.
         float ss = 0.f;
 #pragma unroll
         for (int e = 0; e < 8; ++e) ss += a[e] * a[e] + b[e] * b[e];
 #pragma unroll
         for (int o = TPH / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        const float r = rsqrtf(ss / (float)D + eps);
-        float wa[8], wb[8];
-        unpack8(*reinterpret_cast<const uint4*>(w + 8 * j), wa);
-        unpack8(*reinterpret_cast<const uint4*>(w + HALF + 8 * j), wb);
+        if (!is_v) {
+            const float r = rsqrtf(ss / (float)D + eps);
+            const bf16* w = h < q_heads ? q_w : k_w;
+            float wa[8], wb[8];
+            unpack8(*reinterpret_cast<const uint4*>(w + 8 * j), wa);
+            unpack8(*reinterpret_cast<const uint4*>(w + HALF + 8 * j), wb);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            a[e] = wa[e] * (a[e] * r);
-            b[e] = wb[e] * (b[e] * r);
+            for (int e = 0; e < 8; ++e) {
+                a[e] = wa[e] * (a[e] * r);
+                b[e] = wb[e] * (b[e] * r);
+            }
         }
     }
     if (!valid) return;
-    const long long p = positions[t];
-    const float4* cp = reinterpret_cast<const float4*>(cos_t + p * HALF + 8 * j);
-    const float4* sp = reinterpret_cast<const float4*>(sin_t + p * HALF + 8 * j);
-    const float4 c0 = cp[0], c1 = cp[1], s0 = sp[0], s1 = sp[1];
-    const float c[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-    const float s[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
-    float o1[8], o2[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        o1[e] = a[e] * c[e] - b[e] * s[e];
-        o2[e] = b[e] * c[e] + a[e] * s[e];
+    bf16* dst;
+    if (h < q_heads) {
+        dst = q_out + (t * q_heads + h) * D;
+    } else {
+        const long long slot = slots[t];
+        if (slot < 0) return;
+        const int kvh = is_v ? h - q_heads - kv_heads : h - q_heads;
+        dst = (is_v ? v_cache : k_cache) + (slot * kv_heads + kvh) * D;
     }
-    bf16* dst = out + (t * heads + h) * D + 8 * j;
-    *reinterpret_cast<uint4*>(dst) = pack8(o1);
-    *reinterpret_cast<uint4*>(dst + HALF) = pack8(o2);
+    if (!is_v) rope8<D>(a, b, cos_t, sin_t, positions[t], j);
+    *reinterpret_cast<uint4*>(dst + 8 * j) = pack8(a);
+    *reinterpret_cast<uint4*>(dst + HALF + 8 * j) = pack8(b);
 }

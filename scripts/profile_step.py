@@ -30,16 +30,20 @@ meta = b.prepare_meta(build_meta([ROWS], [CTX], [list(range(CTX // 16 + 1))]))
 pos = b.asarray(np.arange(CTX - ROWS, CTX), "i32")
 slots = b.asarray(np.arange(CTX - ROWS, CTX), "i32")
 qkv = b.linear(x, w["qkv"], out_f32=True)
-q = b.head_norm_rope(qkv[:, :Q], D, pos, cos, sin, norm_w[:D], 1e-6)
+
+
+def rope_store():  # q/k norm + RoPE and the K/V store of one layer: one launch
+    return b.rope_store(qkv, Q // D, pos, cos, sin, norm_w[:D], norm_w[:D], 1e-6, slots, kc, vc)
+
+
+q = rope_store()
 attn = b.attention(q, kc, vc, meta, D ** -0.5, causal=True)
 gu = b.linear(x, w["gate_up"], out_f32=True)
 act = b.silu_mul(gu)
 
 ops = {
     "qkv GEMM": (lambda: b.linear(x, w["qkv"], out_f32=True), (Q + 2 * KV) * H * 2),
-    "q+k norm/rope": (lambda: (b.head_norm_rope(qkv[:, :Q], D, pos, cos, sin, norm_w[:D], 1e-6),
-                               b.head_norm_rope(qkv[:, Q:Q + KV], D, pos, cos, sin, norm_w[:D], 1e-6)), 0),
-    "store_kv": (lambda: b.store_kv(q[:, :KV], qkv[:, Q + KV:], kc, vc, slots), 0),
+    "rope_store": (rope_store, 0),
     "attention": (lambda: b.attention(q, kc, vc, meta, D ** -0.5, causal=True), 2 * CTX * KV * 2),
     "o GEMM": (lambda: b.linear(attn, w["o"], out_f32=True), Q * H * 2),
     "add_rms_norm x2": (lambda: (b.add_rms_norm(res, res, norm_w, 1e-6), b.add_rms_norm(res, res, norm_w, 1e-6)), 0),

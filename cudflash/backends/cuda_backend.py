@@ -42,7 +42,6 @@ _NORM_NAMES = tuple(f"rms_norm<{v}, {a}, {x}, {r}>" for v in _NORM_VPT for a in 
 _ADD_NAMES = tuple(f"add<{a}, {b}>" for a in _TYPES for b in _TYPES)
 _BIAS_NAMES = ("bias_add<bf16>", "bias_add<float>")
 _SILU_NAMES = ("silu_mul<bf16>", "silu_mul<float>")
-_STORE_NAMES = ("store_kv<bf16>", "store_kv<float>")
 
 
 def _ctype(x: cupy.ndarray) -> str:
@@ -62,7 +61,7 @@ _PS_TILE = 64  # PS_TILE
 
 
 def _rope_names(d: int) -> tuple[str, ...]:
-    return tuple(f"head_norm_rope<{d}, {n}, {x}>" for n in ("false", "true") for x in _TYPES)
+    return tuple(f"rope_store<{d}, {n}, {x}>" for n in ("false", "true") for x in _TYPES)
 
 
 @functools.cache
@@ -286,45 +285,65 @@ class CudaBackend:
 
     def head_norm_rope(self, x: cupy.ndarray, head_dim: int, positions: Any, cos: cupy.ndarray,
                        sin: cupy.ndarray, weight: cupy.ndarray | None, eps: float) -> cupy.ndarray:
-        if head_dim % 16 or 32 % (head_dim // 16):
-            raise BackendError(f"cuda head_norm_rope: head_dim {head_dim} unsupported (16, 32, 64, 128, 256, 512)")
+        """rope_store with no K/V heads: every head of x is normed (if weight), rotated and returned as bf16."""
         x, sx = rows_any(x, "head_norm_rope x")
         t, width = x.shape
-        heads = width // head_dim
-        if heads * head_dim != width:
+        if head_dim <= 0 or width % head_dim:
             raise BackendError(f"cuda head_norm_rope: width {width} is not a multiple of head_dim {head_dim}")
-        if cos.dtype != np.float32 or cos.shape[1] != head_dim // 2 or sin.shape != cos.shape:
-            raise BackendError(f"cuda head_norm_rope: cos/sin must be float32 [max_pos, {head_dim // 2}]")
-        cos, sin = cupy.ascontiguousarray(cos), cupy.ascontiguousarray(sin)
-        positions = device_i32(positions)
         out = cupy.empty((t, width), dtype=self.act)
-        if t == 0:
-            return out
-        norm = weight is not None
-        if norm and weight.shape != (head_dim,):
-            raise BackendError(f"cuda head_norm_rope: weight shape {weight.shape}, expected ({head_dim},)")
-        name = f"head_norm_rope<{head_dim}, {'true' if norm else 'false'}, {_ctype(x)}>"
-        total = t * heads * (head_dim // 16)
-        kernel_loader.function("rope", name, _rope_names(head_dim))(
-            (cdiv(total, 128),), (128,),
-            (x, i64(sx), positions, cos, sin, weight if norm else x, out, i32(t), i32(heads), f32(eps)))
+        self._rope(x, sx, head_dim, positions, cos, sin, (weight, weight), eps, out, None)
         return out
 
-    def store_kv(self, k: cupy.ndarray, v: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray,
-                 slots: Any) -> None:
-        k, sk = vec_rows(k, "store_kv k")
-        v, sv = rows_any(v, "store_kv v")
-        t, width = k.shape
+    def rope_store(self, x: cupy.ndarray, q_heads: int, positions: Any, cos: cupy.ndarray, sin: cupy.ndarray,
+                   q_norm: cupy.ndarray | None, k_norm: cupy.ndarray | None, eps: float, slots: Any,
+                   k_cache: cupy.ndarray, v_cache: cupy.ndarray) -> cupy.ndarray | None:
+        """See base.Backend.rope_store: one launch for q's RoPE, k's RoPE and the K/V store of a layer."""
+        if k_cache.ndim != 4 or v_cache.shape != k_cache.shape:
+            raise BackendError(f"cuda rope_store: caches {k_cache.shape} / {v_cache.shape}, expected two "
+                               "[num_blocks, block_size, kv_heads, head_dim]")
+        if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous) or k_cache.dtype != self.act \
+                or v_cache.dtype != self.act:
+            raise BackendError("cuda rope_store: caches must be contiguous bf16")
         _, _, kv_heads, head_dim = k_cache.shape
-        if v.shape != k.shape or width != kv_heads * head_dim:
-            raise BackendError(f"cuda store_kv: k {k.shape} / v {v.shape} do not match cache rows of "
-                               f"{kv_heads} x {head_dim}")
-        if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
-            raise BackendError("cuda store_kv: caches must be contiguous")
-        if t:
-            kernel_loader.function("store_kv", f"store_kv<{_ctype(v)}>", _STORE_NAMES)(
-                (cdiv(t * width // 8, THREADS),), (THREADS,),
-                (k, i64(sk), v, i64(sv), device_i32(slots), k_cache, v_cache, i32(t), i32(width)))
+        x, sx = rows_any(x, "rope_store x")
+        t, width = x.shape
+        if width != (q_heads + 2 * kv_heads) * head_dim:
+            raise BackendError(f"cuda rope_store: x width {width}, expected ({q_heads} + 2 x {kv_heads}) heads of "
+                               f"{head_dim}")
+        if q_heads and (q_norm is None) != (k_norm is None):
+            raise BackendError("cuda rope_store: q_norm and k_norm must be both given or both None")
+        q = cupy.empty((t, q_heads * head_dim), dtype=self.act) if q_heads else None
+        norms = (q_norm if q_heads else k_norm, k_norm)
+        self._rope(x, sx, head_dim, positions, cos, sin, norms, eps, q, (device_i32(slots), k_cache, v_cache))
+        return q
+
+    def _rope(self, x: cupy.ndarray, sx: int, head_dim: int, positions: Any, cos: cupy.ndarray, sin: cupy.ndarray,
+              norms: tuple[cupy.ndarray | None, cupy.ndarray | None], eps: float, q_out: cupy.ndarray | None,
+              kv: tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray] | None) -> None:
+        """One launch of rope_store<D, NORM, X> (kernels/rope.cu) over x's rows. norms: (q weight, k weight), both
+        None or both [D]; q_out [T, Hq * D] bf16 or None (Hq = 0); kv: (slots, k_cache, v_cache) or None (Hk = 0).
+        Pointers of an absent part are never read or written; x stands in for them."""
+        if head_dim % 16 or 32 % (head_dim // 16):
+            raise BackendError(f"cuda rope: head_dim {head_dim} unsupported (16, 32, 64, 128, 256, 512)")
+        if cos.dtype != np.float32 or cos.shape[1] != head_dim // 2 or sin.shape != cos.shape:
+            raise BackendError(f"cuda rope: cos/sin must be float32 [max_pos, {head_dim // 2}]")
+        q_w, k_w = norms
+        norm = q_w is not None
+        if norm and (q_w.shape != (head_dim,) or k_w.shape != (head_dim,)):
+            raise BackendError(f"cuda rope: norm weights {q_w.shape} / {k_w.shape}, expected ({head_dim},)")
+        t = x.shape[0]
+        q_heads = q_out.shape[1] // head_dim if q_out is not None else 0
+        slots, k_cache, v_cache = kv if kv is not None else (x, x, x)
+        kv_heads = k_cache.shape[2] if kv is not None else 0
+        total = t * (q_heads + 2 * kv_heads) * (head_dim // 16)  # D/16 threads per (row, head)
+        if total == 0:
+            return
+        cos, sin = cupy.ascontiguousarray(cos), cupy.ascontiguousarray(sin)
+        name = f"rope_store<{head_dim}, {'true' if norm else 'false'}, {_ctype(x)}>"
+        kernel_loader.function("rope", name, _rope_names(head_dim))(
+            (cdiv(total, 128),), (128,),
+            (x, i64(sx), device_i32(positions), cos, sin, q_w if norm else x, k_w if norm else x, slots,
+             q_out if q_out is not None else x, k_cache, v_cache, i32(t), i32(q_heads), i32(kv_heads), f32(eps)))
 
     def attention(self, q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, meta: AttentionMeta,
                   scale: float, causal: bool, window: int = 0) -> cupy.ndarray:

@@ -91,11 +91,21 @@ class NumpyBackend:
         out = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
         return out.reshape(t, -1)
 
-    def store_kv(self, k, v, k_cache, v_cache, slots) -> None:
+    def rope_store(self, x, q_heads, positions, cos, sin, q_norm, k_norm, eps, slots, k_cache, v_cache):
+        """x [T, (q_heads + 2 Hk) * D] = [q | k | v] (Hk, D from the cache shape): head_norm_rope of q (returned,
+        None when q_heads == 0) and of k, then k and v into the caches at `slots` (slot < 0: padding, not stored)."""
         _, block_size, kv_heads, head_dim = k_cache.shape
-        blocks, offsets = slots // block_size, slots % block_size
-        k_cache[blocks, offsets] = k.reshape(-1, kv_heads, head_dim)
-        v_cache[blocks, offsets] = v.reshape(-1, kv_heads, head_dim)
+        q_dim, kv_dim = q_heads * head_dim, kv_heads * head_dim
+        assert x.shape[1] == q_dim + 2 * kv_dim, (x.shape, q_heads, k_cache.shape)
+        k = self.head_norm_rope(x[:, q_dim:q_dim + kv_dim], head_dim, positions, cos, sin, k_norm, eps)
+        slots = np.asarray(slots)
+        keep = slots >= 0
+        blocks, offsets = slots[keep] // block_size, slots[keep] % block_size
+        k_cache[blocks, offsets] = k[keep].reshape(-1, kv_heads, head_dim)
+        v_cache[blocks, offsets] = x[keep, q_dim + kv_dim:].reshape(-1, kv_heads, head_dim)
+        if q_heads == 0:
+            return None
+        return self.head_norm_rope(x[:, :q_dim], head_dim, positions, cos, sin, q_norm, eps)
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMeta, scale: float, causal: bool, window: int = 0):
         _, block_size, kv_heads, head_dim = k_cache.shape

@@ -134,10 +134,8 @@ class DFlashDraftModel:
 
     def _store(self, i: int, kv_rows: Any, positions: Any, slots: Any, kv: KVCache) -> None:
         """k_norm + RoPE on the K half of `kv_rows` [T, 2 Hk D], then both halves into layer i's cache."""
-        cfg = self.cfg
-        k = self.b.head_norm_rope(kv_rows[:, : self.kv_dim], cfg.head_dim, positions, self.rope_cos,
-                                  self.rope_sin, self.layers[i].k_norm, cfg.rms_norm_eps)
-        self.b.store_kv(k, kv_rows[:, self.kv_dim:], kv.k[i], kv.v[i], slots)
+        self.b.rope_store(kv_rows, 0, positions, self.rope_cos, self.rope_sin, None, self.layers[i].k_norm,
+                          self.cfg.rms_norm_eps, slots, kv.k[i], kv.v[i])
 
     def update_context(self, taps: Any, positions: Any, slots: Any, kv: KVCache) -> None:
         b, cfg = self.b, self.cfg

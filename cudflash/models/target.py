@@ -72,7 +72,6 @@ class TargetModel:
     def forward(self, batch: ForwardBatch, kv: KVCache, tap_layers: list[int] | None = None) -> tuple[Any, Any | None]:
         """Causal forward over the batch's rows; returns (final-normed hidden [T, H], taps [T, K * H] or None)."""
         b, cfg = self.b, self.cfg
-        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         hidden, residual = self.embed(batch.ids), None
         taps: dict[int, Any] = {}
         for i, layer in enumerate(self.layers):
@@ -81,11 +80,8 @@ class TargetModel:
             else:
                 hidden, residual = b.add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
             qkv = b.linear(hidden, layer.qkv, layer.qkv_bias, out_f32=True)  # RoPE / store round once
-            q = b.head_norm_rope(qkv[:, :q_dim], cfg.head_dim, batch.positions, self.rope_cos, self.rope_sin,
-                                 layer.q_norm, cfg.rms_norm_eps)
-            k = b.head_norm_rope(qkv[:, q_dim:q_dim + kv_dim], cfg.head_dim, batch.positions, self.rope_cos,
-                                 self.rope_sin, layer.k_norm, cfg.rms_norm_eps)
-            b.store_kv(k, qkv[:, q_dim + kv_dim:], kv.k[i], kv.v[i], batch.slots)
+            q = b.rope_store(qkv, cfg.num_heads, batch.positions, self.rope_cos, self.rope_sin, layer.q_norm,
+                             layer.k_norm, cfg.rms_norm_eps, batch.slots, kv.k[i], kv.v[i])
             attn = b.attention(q, kv.k[i], kv.v[i], batch.meta, self.scale, causal=True)
             hidden = b.linear(attn, layer.o_proj, layer.o_bias, out_f32=True)  # feeds the float32 residual
             hidden, residual = b.add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)

@@ -205,28 +205,55 @@ def test_head_norm_rope(cb, rng, d, norm, t):
     check(cb.to_numpy(got), nb.head_norm_rope(fused32[:, hq * d:(hq + hk) * d], d, pos, cos, sin, w, 1e-6))
 
 
-@pytest.mark.parametrize("d,hk", [(64, 1), (128, 8), (256, 2)])
-def test_store_kv(cb, rng, d, hk):
-    num_blocks, bs, t = 9, 16, 40
-    fused = rnd(rng, t, 3 * hk * d)  # [q | k | v]-like: k and v are row-strided column slices
+@pytest.mark.parametrize("d,hq,hk,t", [(64, 4, 1, 37), (128, 32, 8, 16), (128, 8, 8, 1), (128, 0, 8, 37),
+                                        (256, 8, 2, 37), (256, 0, 1, 5)])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("dtype", ["act", "f32"])
+def test_rope_store(cb, rng, d, hq, hk, t, norm, dtype):
+    """The fused op against the numpy op: q comes back whole, K and V land at every real slot and nowhere else."""
+    num_blocks, bs = 9, 16
+    q_dim, kv_dim = hq * d, hk * d
+    width = q_dim + 2 * kv_dim
+    # x is a column slice of a wider GEMM output (row-strided and offset), as the drafter's context update reads it
+    wide = rnd(rng, t, width + 16, scale=2.0) if dtype == "act" else \
+        rng.standard_normal((t, width + 16)).astype(np.float32) * 2
+    x = wide[:, 8:8 + width]
+    cos, sin = rope_tables(d, 4096)
+    pos = rng.integers(0, 4096, size=t).astype(np.int32)
     slots = rng.choice(num_blocks * bs, size=t, replace=False).astype(np.int32)
-    slots[3] = -1  # padding row: must be skipped
+    slots[1::5] = -1  # padding rows: nothing may be stored for them
+    qn, kn = (rnd(rng, d), rnd(rng, d)) if norm else (None, None)
+    dev = cb.asarray(wide, dtype)
+    dx = dev[:, 8:8 + width]
+    dpos, dcos, dsin = cb.asarray(pos, "i32"), cb.asarray(cos, "f32"), cb.asarray(sin, "f32")
+    dqn, dkn = (cb.asarray(qn, "act"), cb.asarray(kn, "act")) if norm else (None, None)
     kc = cp.full((num_blocks, bs, hk, d), NAN_BITS, dtype=cp.uint16).view(cb.act)
     vc = cp.full((num_blocks, bs, hk, d), NAN_BITS, dtype=cp.uint16).view(cb.act)
-    dev = cb.asarray(fused, "act")
-    cb.store_kv(dev[:, hk * d:2 * hk * d], dev[:, 2 * hk * d:], kc, vc, cb.asarray(slots, "i32"))
+    poison_pool(t * q_dim * 2)
+    q = cb.rope_store(dx, hq, dpos, dcos, dsin, dqn, dkn, 1e-6, cb.asarray(slots, "i32"), kc, vc)
     ref_k = np.full((num_blocks, bs, hk, d), np.nan, dtype=np.float32)
     ref_v = ref_k.copy()
+    ref_q = nb.rope_store(x, hq, pos, cos, sin, qn, kn, 1e-6, slots, ref_k, ref_v)
+    if hq:
+        assert q.shape == (t, q_dim)
+        check(cb.to_numpy(q), ref_q)  # check() also fails on a NaN: every q element was written
+        # bit for bit what the plain op gives, which is what the engine used before the fusion
+        assert np.array_equal(cb.to_numpy(q), cb.to_numpy(cb.head_norm_rope(dx[:, :q_dim], d, dpos, dcos, dsin,
+                                                                            dqn, 1e-6)))
+    else:
+        assert q is None and ref_q is None
+    got_k, got_v = cb.to_numpy(kc), cb.to_numpy(vc)
+    written = ~np.isnan(ref_k)
+    assert written.any()
+    for got in (got_k, got_v):
+        assert np.array_equal(np.isnan(got), ~written)  # every real slot written, every other row untouched
+    check(got_k[written], ref_k[written])
+    assert np.array_equal(got_v[written], rb(ref_v[written]))  # V is only rounded to bf16
     keep = slots >= 0
-    nb.store_kv(fused[keep, hk * d:2 * hk * d], fused[keep, 2 * hk * d:], ref_k, ref_v, slots[keep])
-    for got, ref in [(cb.to_numpy(kc), ref_k), (cb.to_numpy(vc), ref_v)]:
-        assert np.array_equal(np.isnan(got), np.isnan(ref))
-        assert np.array_equal(got[~np.isnan(ref)], ref[~np.isnan(ref)])
-    # v straight from a float32 GEMM output: rounded to bf16 on the way in.
-    v32 = rng.standard_normal((t, hk * d)).astype(np.float32)
-    cb.store_kv(dev[:, hk * d:2 * hk * d], cp.asarray(v32), kc, vc, cb.asarray(slots, "i32"))
-    got_v = cb.to_numpy(vc)[slots[keep] // bs, slots[keep] % bs].reshape(keep.sum(), -1)
-    assert np.array_equal(got_v, rb(v32[keep]))
+    k_rows = got_k[slots[keep] // bs, slots[keep] % bs].reshape(keep.sum(), kv_dim)
+    k_plain = cb.to_numpy(cb.head_norm_rope(dx[:, q_dim:q_dim + kv_dim], d, dpos, dcos, dsin, dkn, 1e-6))
+    assert np.array_equal(k_rows, k_plain[keep])
+    assert np.array_equal(cb.to_numpy(dev), wide)  # the input is read, never written
 
 
 @pytest.mark.parametrize("rows,vocab", [(1, 1000), (5, 1001), (16, 151936), (3, 8200)])
@@ -407,7 +434,7 @@ def test_gemm_inside_cuda_graph(cb, rng):
 
 
 def test_layer_graph_replay_matches_eager(cb, rng):
-    """norm -> qkv GEMM -> q/k norm + RoPE -> store_kv -> attention -> o_proj -> argmax, captured and replayed."""
+    """norm -> qkv GEMM -> q/k norm + RoPE and K/V store -> attention -> o_proj -> argmax, captured and replayed."""
     d, hq, hk, h = 128, 8, 2, 512
     q_lens, ctx_lens = [16, 16], [40, 300]
     kc, vc, tables = make_paged(rng, d, hk, q_lens, ctx_lens)
@@ -428,9 +455,7 @@ def test_layer_graph_replay_matches_eager(cb, rng):
     def layer(a):
         hid = cb.rms_norm(a["x"], a["norm"], 1e-6)
         qkv = cb.linear(hid, a["qkv"])
-        q = cb.head_norm_rope(qkv[:, :hq * d], d, a["pos"], a["cos"], a["sin"], a["qn"], 1e-6)
-        k = cb.head_norm_rope(qkv[:, hq * d:(hq + hk) * d], d, a["pos"], a["cos"], a["sin"], a["kn"], 1e-6)
-        cb.store_kv(k, qkv[:, (hq + hk) * d:], a["kc"], a["vc"], a["slots"])
+        q = cb.rope_store(qkv, hq, a["pos"], a["cos"], a["sin"], a["qn"], a["kn"], 1e-6, a["slots"], a["kc"], a["vc"])
         out = cb.linear(cb.attention(q, a["kc"], a["vc"], a["meta"], d ** -0.5, True), a["o"])
         return out, cb.argmax(out)
 
