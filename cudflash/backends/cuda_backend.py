@@ -73,6 +73,7 @@ class CudaBackend:
     name = "cuda"
     act_itemsize = 2  # bf16
     activation_reserve = 2 * 2**30  # bytes kept free for activations and cuBLAS workspaces beside the KV cache
+    graph_reserve = 2 * 2**30  # bytes kept free for captured CUDA graph steps (their LRU cache's bound)
 
     def __init__(self) -> None:
         # Everything runs on one non-blocking stream (CUDA graphs cannot capture the legacy stream), the same for
@@ -87,12 +88,12 @@ class CudaBackend:
     # ------------------------------------------------------------------ memory
     def memory_budget(self, utilization: float) -> int:
         """Bytes the KV cache may take: `utilization` of the device's memory, less what is already in use
-        (weights included) and an activation reserve; never more than what is free now."""
+        (weights included) and the activation and CUDA graph reserves; never more than what is free now."""
         free, total = cupy.cuda.runtime.memGetInfo()
         pool = cupy.get_default_memory_pool()
         free += pool.free_bytes()  # cached by CuPy's pool: ours to reuse
         used = total - free
-        return max(0, min(int(total * utilization) - used, free) - self.activation_reserve)
+        return max(0, min(int(total * utilization) - used, free) - self.activation_reserve - self.graph_reserve)
 
     def asarray(self, x: Any, dtype: str) -> cupy.ndarray:
         if dtype == "i32":

@@ -14,9 +14,15 @@ pool private to that step's graphs, and is kept alive with them (two steps shari
 other's outputs: an illegal address on the H200); each shape is run once
 eagerly before capture so that kernels are compiled and cuBLAS has chosen its algorithms; nothing inside a
 capture copies between host and device or synchronises. Padded sequences use a dummy KV block and slot -1.
+
+Memory: a captured step keeps its pool (float32 logits [padded batch x block, V] and the forward's activations:
+hundreds of MB for an 8B target at batch 32) for as long as it lives, and the context bucket and batch bucket can
+take many values over a long run. Captured steps therefore live in an LRU cache bounded by `max_bytes` (the
+backend's graph reserve, which the KV cache budget leaves free); a step evicted is captured again if needed.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,17 +61,34 @@ class CapturedStep:
     drafts: cupy.ndarray | None  # int32 [n * (q - 1)]
     targets: cupy.ndarray  # int32 [n * q]: argmax of every verify row
     logits: cupy.ndarray  # float32 [n * q, V]
+    pool: Any  # cupy.cuda.MemoryPool private to this step's graphs
     keep: list[Any] = field(default_factory=list)  # everything else the graphs reference
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.total_bytes()
+
+    def release(self) -> None:
+        """Drop the graphs and everything they reference, then hand the pool's memory back to the device."""
+        self.propose_graph = self.verify_graph = self.context_graph = None
+        self.drafts = self.targets = self.logits = None
+        self.keep.clear()
+        self.pool.free_all_blocks()
 
 
 class StepGraphs:
-    def __init__(self, runner, max_blocks: int, dummy_block: int):
+    def __init__(self, runner, max_blocks: int, dummy_block: int, max_bytes: int):
         self.runner, self.b = runner, runner.backend
-        self.max_blocks, self.dummy_block = max_blocks, dummy_block
+        self.max_blocks, self.dummy_block, self.max_bytes = max_blocks, dummy_block, max_bytes
         self.stream = cupy.cuda.get_current_stream()
         self.buffers: dict[tuple[int, int], StepBuffers] = {}
-        self.steps: dict[tuple[int, int, int], CapturedStep] = {}
+        # (padded batch, block width, context bucket) -> captured step, least recently used first
+        self.steps: OrderedDict[tuple[int, int, int], CapturedStep] = OrderedDict()
         self.num_captures = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(step.nbytes for step in self.steps.values())
 
     def fits(self, num_seqs: int) -> bool:
         return batch_bucket(num_seqs) is not None
@@ -158,8 +181,8 @@ class StepGraphs:
                 buf.ctx_slots.fill(-1)
                 context_graph, _ = self._graph(self._context_forward, buf, taps)
         self.num_captures += 1
-        return CapturedStep(propose_graph, verify_graph, context_graph, drafts, targets, logits,
-                            keep=[taps, meta, pool])
+        return CapturedStep(propose_graph, verify_graph, context_graph, drafts, targets, logits, pool,
+                            keep=[taps, meta])
 
     def propose(self, seqs: list[Sequence], q: int, mask: int) -> tuple[CapturedStep, StepBuffers]:
         """Stage the step's inputs, capture its graphs if this shape is new, replay the propose graph."""
@@ -167,6 +190,10 @@ class StepGraphs:
         key = (buf.n, q, ctx_bucket)
         if key not in self.steps:
             self.steps[key] = self._capture(buf, ctx_bucket, q > 1)
+            while len(self.steps) > 1 and self.nbytes > self.max_bytes:
+                _, old = self.steps.popitem(last=False)
+                old.release()
+        self.steps.move_to_end(key)
         step = self.steps[key]
         if step.propose_graph is not None:
             step.propose_graph.launch(self.stream)

@@ -89,7 +89,8 @@ class ModelRunner:
         if backend.name == "cuda" and not enforce_eager:
             from cudflash.engine.cuda_graph import StepGraphs
 
-            self.graphs = StepGraphs(self, max_blocks=-(-max_positions // kv_block_size), dummy_block=num_kv_blocks)
+            self.graphs = StepGraphs(self, max_blocks=-(-max_positions // kv_block_size), dummy_block=num_kv_blocks,
+                                     max_bytes=backend.graph_reserve)
 
     # ---- inputs
     def batch(self, seqs: list[Sequence], ids: list[list[int]], starts: list[int]) -> ForwardBatch:

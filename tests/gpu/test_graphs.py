@@ -49,3 +49,21 @@ def test_graphs_are_reused_across_steps_and_sequences(graphed, goldens):
     assert steps > 50 and new <= 3, (steps, new)
     graphed.generate([goldens[15]["prompt_ids"]], PARAMS)
     assert graphed.runner.graphs.num_captures == captured + new  # batch 1 at these lengths: nothing new
+
+
+def test_captured_steps_stay_within_their_memory_bound(tiny_pair, goldens, eager):
+    """With room for one captured step only, each new shape evicts the last one (its pool is freed) and a shape
+    seen again is captured again, still giving the eager tokens."""
+    llm = LLM(tiny_pair / "target", draft=tiny_pair / "drafter", backend="cuda")
+    graphs = llm.runner.graphs
+    prompts = [g["prompt_ids"] for g in goldens[:4]]
+    graphs.max_bytes = 1
+    outs = [llm.generate(prompts[:1], PARAMS), llm.generate(prompts, PARAMS), llm.generate(prompts[:1], PARAMS)]
+    assert len(graphs.steps) == 1
+    assert graphs.nbytes == next(iter(graphs.steps.values())).nbytes > 0
+    # batch 1 -> bucket 4 -> batch 1 again: the first shape was evicted, so it was captured twice
+    shapes = {key[:2] for key in graphs.steps}
+    assert graphs.num_captures >= 3 and shapes == {(1, 16)}, (graphs.num_captures, shapes)
+    for got, batch in zip(outs, (prompts[:1], prompts, prompts[:1])):
+        want = eager.generate(batch, PARAMS)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
