@@ -31,26 +31,62 @@ import numpy as np
 
 from cudflash.backends.base import AttentionMeta
 from cudflash.backends.cuda_attention import DeviceMeta, batch_bucket, context_bucket
+from cudflash.engine.propose import block_rows
 from cudflash.engine.sequence import Sequence
 from cudflash.models.batch import ForwardBatch
 
 @dataclass
 class StepBuffers:
-    """Static inputs of one (padded batch, block width): the host writes them before each replay."""
+    """Static inputs of one (padded batch, block width): the host writes them before each replay.
+
+    The per-step inputs are views into two packed int32 buffers so that staging them is ONE host-to-device
+    copy each (every separate `.set()` costs a synchronous pageable copy, ~10 us on the step's critical path).
+    """
 
     n: int
     q: int
-    ids: cupy.ndarray  # int32 [n * q]: [pending token, MASK x (q-1)] per sequence
-    positions: cupy.ndarray  # int32 [n * q]
-    slots: cupy.ndarray  # int32 [n * q]; -1 for padded sequences
+    step_in: cupy.ndarray  # int32 [3 n q + n + n max_blocks]: ids | positions | slots | context_lens | block_tables
+    ctx_in: cupy.ndarray  # int32 [3 n q]: ctx_rows | ctx_positions | ctx_slots
     cu_seqlens: cupy.ndarray  # int32 [n + 1] = arange * q (fixed)
-    context_lens: cupy.ndarray  # int32 [n]
-    block_tables: cupy.ndarray  # int32 [n, max_blocks]
     draft_rows: cupy.ndarray  # int32 [n * (q - 1)]: the mask rows (fixed)
     verify_ids: cupy.ndarray  # int32 [n * q]: ids with the drafts in place of the masks (written on the device)
-    ctx_rows: cupy.ndarray  # int32 [n * q]: committed rows to feed the drafter (padded with row 0)
-    ctx_positions: cupy.ndarray  # int32 [n * q]
-    ctx_slots: cupy.ndarray  # int32 [n * q]; -1 = padding
+
+    def _part(self, buffer: cupy.ndarray, index: int) -> cupy.ndarray:
+        nq = self.n * self.q
+        return buffer[index * nq:(index + 1) * nq]
+
+    @property
+    def ids(self) -> cupy.ndarray:  # int32 [n * q]: [pending token, MASK x (q-1)] per sequence
+        return self._part(self.step_in, 0)
+
+    @property
+    def positions(self) -> cupy.ndarray:  # int32 [n * q]
+        return self._part(self.step_in, 1)
+
+    @property
+    def slots(self) -> cupy.ndarray:  # int32 [n * q]; -1 for padded sequences
+        return self._part(self.step_in, 2)
+
+    @property
+    def context_lens(self) -> cupy.ndarray:  # int32 [n]
+        start = 3 * self.n * self.q
+        return self.step_in[start:start + self.n]
+
+    @property
+    def block_tables(self) -> cupy.ndarray:  # int32 [n, max_blocks]
+        return self.step_in[3 * self.n * self.q + self.n:].reshape(self.n, -1)
+
+    @property
+    def ctx_rows(self) -> cupy.ndarray:  # int32 [n * q]: committed rows to feed the drafter (padded with row 0)
+        return self._part(self.ctx_in, 0)
+
+    @property
+    def ctx_positions(self) -> cupy.ndarray:  # int32 [n * q]
+        return self._part(self.ctx_in, 1)
+
+    @property
+    def ctx_slots(self) -> cupy.ndarray:  # int32 [n * q]; -1 = padding
+        return self._part(self.ctx_in, 2)
 
 
 @dataclass
@@ -97,12 +133,11 @@ class StepGraphs:
     def _buffers(self, n: int, q: int) -> StepBuffers:
         key = (n, q)
         if key not in self.buffers:
-            z = lambda *shape: cupy.zeros(shape, dtype=cupy.int32)  # noqa: E731
-            draft_rows = (np.arange(n)[:, None] * q + np.arange(1, q)[None, :]).reshape(-1)
+            z = lambda size: cupy.zeros(size, dtype=cupy.int32)  # noqa: E731
             self.buffers[key] = StepBuffers(
-                n, q, z(n * q), z(n * q), z(n * q), cupy.asarray(np.arange(n + 1, dtype=np.int32) * q), z(n),
-                z(n, self.max_blocks), cupy.asarray(draft_rows.astype(np.int32)), z(n * q), z(n * q), z(n * q),
-                z(n * q))
+                n, q, z(3 * n * q + n + n * self.max_blocks), z(3 * n * q),
+                cupy.asarray(np.arange(n + 1, dtype=np.int32) * q),
+                cupy.asarray(block_rows(n, q, 1, q - 1).astype(np.int32)), z(n * q))
         return self.buffers[key]
 
     def stage(self, seqs: list[Sequence], q: int, mask: int) -> tuple[StepBuffers, int]:
@@ -122,11 +157,8 @@ class StepGraphs:
             slots[i] = table[pos // bs] * bs + pos % bs
             ctx[i] = s.num_cached + q
             tables[i, : len(table)] = table
-        buf.ids.set(ids.reshape(-1))
-        buf.positions.set(positions.reshape(-1))
-        buf.slots.set(slots.reshape(-1))
-        buf.context_lens.set(ctx)
-        buf.block_tables.set(tables)
+        buf.step_in.set(np.concatenate([ids.reshape(-1), positions.reshape(-1), slots.reshape(-1), ctx,
+                                        tables.reshape(-1)]))
         return buf, context_bucket(int(ctx.max()))
 
     def _meta(self, buf: StepBuffers, ctx_bucket: int) -> AttentionMeta:
@@ -217,7 +249,5 @@ class StepGraphs:
             positions[k:k + count] = pos
             slots[k:k + count] = table[pos // bs] * bs + pos % bs
             k += count
-        buf.ctx_rows.set(rows)
-        buf.ctx_positions.set(positions)
-        buf.ctx_slots.set(slots)
+        buf.ctx_in.set(np.concatenate([rows, positions, slots]))
         step.context_graph.launch(self.stream)
