@@ -40,7 +40,7 @@ class StepBuffers:
     """Static inputs of one (padded batch, block width): the host writes them before each replay.
 
     The per-step inputs are views into two packed int32 buffers so that staging them is ONE host-to-device
-    copy each (every separate `.set()` costs a synchronous pageable copy, ~10 us on the step's critical path).
+    copy each (every separate `.set()` is a synchronous pageable copy on the step's critical path).
     """
 
     n: int
