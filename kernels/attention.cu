@@ -9,14 +9,23 @@
 //   (s, h) is query token r / G, head h * G + r % G. One CTA's K/V tile serves all G heads (read once).
 // Grid: x = tile of BM = 16 * WM packed rows (reversed, so the heaviest causal tiles start first),
 //   y = s * Hk + h, z = split of the key range (split-K for short query runs over long contexts).
+// Key tiles sit at absolute positions (tile i holds keys 64 i .. 64 i + 63). Split z takes either tiles
+//   [z * split_tiles, (z + 1) * split_tiles) (split_tiles > 0: a partition fixed by key position alone, so a
+//   query row computes the same bits whatever the batch, the other rows or the grid; decode and verify use it)
+//   or the z-th equal share of the tiles the row tile needs (split_tiles == 0: prefill and the drafter).
 // Block: 128 threads = 4 warps arranged WM (rows) x WN (keys). Warp (wm, wn) owns packed rows
 //   16 wm .. 16 wm + 15 and keys wn * BN / WN .. of every BN-key tile, with its own running (max, sum, O);
 //   when WN > 1 (query runs too short to give every warp its own rows) the warps' partial states are merged
 //   through shared memory at the end. All 128 threads stream K/V tiles with cp.async, double-buffered.
-// Shared memory: Q [BM][D], K [2][BN][D], V [2][BN][D], rows of D bf16 stored as 16-byte chunks XOR-swizzled
-//   by (row & 7), so ldmatrix reads and cp.async writes are free of bank conflicts.
+// Shared memory: Q [BM][D], K [STAGES][BN][D], V [STAGES][BN][D], rows of D bf16 stored as 16-byte chunks
+//   XOR-swizzled by (row & 7), so ldmatrix reads and cp.async writes are free of bank conflicts. STAGES - 1
+//   K/V tiles are in flight while one is computed on.
 // Output: nsplit == 1 writes bf16 out directly; otherwise each split writes its normalised float32 partial
-//   o_part [nsplit, T, Hq, D] and log2-sum-exp lse_part [nsplit, T, Hq], and attn_combine merges them.
+//   o_part [nsplit, T, Hq, D] and log2-sum-exp lse_part [nsplit, T, Hq], and attn_combine merges them in
+//   split order, skipping splits that saw no key. One visible split merges to the exact bits of the
+//   nsplit == 1 path (weight 1, sum 1), so a row's result does not depend on how many splits the grid has.
+//   (A merge by the last CTA of each row tile, in this kernel, measured slower: it serialises the merge of
+//   64-row tiles on a few CTAs, +0.35 ms per Qwen3-8B verify step at 1024 keys.)
 #include "common.cuh"
 
 #define ATTN_BN 64
@@ -62,13 +71,13 @@ __device__ __forceinline__ int swz(int row, int chunk) {
     return row * D + ((chunk ^ (row & 7)) << 3);
 }
 
-template <int D, int WM, int WN>
+template <int D, int WM, int WN, int STAGES>
 __global__ void __launch_bounds__(ATTN_THREADS)
 attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_cache,
          const bf16* __restrict__ v_cache, const int* __restrict__ cu_seqlens, const int* __restrict__ context_lens,
          const int* __restrict__ block_tables, int max_blocks, int block_size, int Hq, int Hk, float scale,
-         int causal, int window, int nsplit, int T, bf16* __restrict__ out, float* __restrict__ o_part,
-         float* __restrict__ lse_part) {
+         int causal, int window, int nsplit, int split_tiles, int T, bf16* __restrict__ out,
+         float* __restrict__ o_part, float* __restrict__ lse_part) {
     static_assert(WM * WN == 4, "4 warps");
     constexpr int BN = ATTN_BN;
     constexpr int BM = 16 * WM;
@@ -80,8 +89,8 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     bf16* sQ = reinterpret_cast<bf16*>(smem_raw);  // [BM][D]
-    bf16* sK = sQ + BM * D;                        // [2][BN][D]
-    bf16* sV = sK + 2 * BN * D;                    // [2][BN][D]
+    bf16* sK = sQ + BM * D;                        // [STAGES][BN][D]
+    bf16* sV = sK + STAGES * BN * D;               // [STAGES][BN][D]
 
     const int G = Hq / Hk;
     const int s = blockIdx.y / Hk, kvh = blockIdx.y % Hk;
@@ -95,10 +104,17 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
     const int p_lo = pos0 + m0 / G;                    // first and last query positions in this tile
     const int p_hi = pos0 + (min(m0 + BM, R) - 1) / G;
     const int kend = causal ? min(p_hi + 1, ctx) : ctx;
-    const int kbeg = window > 0 ? max(0, p_lo - window + 1) : 0;
-    const int ntiles = kend > kbeg ? (kend - kbeg + BN - 1) / BN : 0;
-    const int t_beg = (int)(((long long)ntiles * blockIdx.z) / nsplit);
-    const int t_end = (int)(((long long)ntiles * (blockIdx.z + 1)) / nsplit);
+    const int tile_lo = window > 0 ? max(0, p_lo - window + 1) / BN : 0;  // absolute key tiles [tile_lo, tile_hi)
+    const int tile_hi = max(tile_lo, (kend + BN - 1) / BN);
+    int t_beg, t_end;
+    if (split_tiles > 0) {
+        t_beg = max(tile_lo, (int)blockIdx.z * split_tiles);
+        t_end = min(tile_hi, ((int)blockIdx.z + 1) * split_tiles);
+    } else {
+        const int ntiles = tile_hi - tile_lo;
+        t_beg = tile_lo + (int)(((long long)ntiles * blockIdx.z) / nsplit);
+        t_end = tile_lo + (int)(((long long)ntiles * (blockIdx.z + 1)) / nsplit);
+    }
     const int* table = block_tables + (long long)s * max_blocks;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -108,19 +124,25 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
     const int pa = pos0 + ra / G, pb = pos0 + (ra + 8) / G;
     const float sl2 = scale * LOG2E;
 
+    // All block-table reads of a tile are issued before any copy that needs them: one round trip per tile
+    // rather than one per row this thread copies (which made a tile cost several microseconds of latency).
     auto load_kv = [&](int tile, int buf) {
-        const int kv0 = kbeg + tile * BN;
+        constexpr int PER_THREAD = BN * CPR / ATTN_THREADS;
+        const int kv0 = tile * BN;
+        int block[PER_THREAD];
 #pragma unroll
-        for (int i = 0; i < BN * CPR / ATTN_THREADS; ++i) {
+        for (int i = 0; i < PER_THREAD; ++i) {
+            const int j = kv0 + (tid + i * ATTN_THREADS) / CPR;
+            block[i] = j < kend ? __ldg(table + j / block_size) : 0;
+        }
+#pragma unroll
+        for (int i = 0; i < PER_THREAD; ++i) {
             const int idx = tid + i * ATTN_THREADS;
             const int row = idx / CPR, ch = idx % CPR;
             const int j = kv0 + row;
             const bool ok = j < kend;
-            long long off = 0;
-            if (ok) {
-                const long long slot = (long long)table[j / block_size] * block_size + j % block_size;
-                off = (slot * Hk + kvh) * D + ch * 8;
-            }
+            const long long slot = (long long)block[i] * block_size + j % block_size;
+            const long long off = ok ? (slot * Hk + kvh) * D + ch * 8 : 0;
             cp_async16(sK + buf * BN * D + swz<D>(row, ch), k_cache + off, ok);
             cp_async16(sV + buf * BN * D + swz<D>(row, ch), v_cache + off, ok);
         }
@@ -141,20 +163,26 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
             if (ok) src = q + (long long)(q0 + r / G) * sq + (kvh * G + r % G) * D + ch * 8;
             cp_async16(sQ + swz<D>(row, ch), src, ok);
         }
-        load_kv(t_beg, 0);
     }
-    cp_async_commit();
+    // Prologue: Q and the first STAGES - 1 tiles, one commit group per tile (groups may be empty), so that
+    // waiting for all but the newest STAGES - 2 groups means "this iteration's tile has landed".
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+        if (t_beg + i < t_end) load_kv(t_beg + i, i);
+        cp_async_commit();
+    }
 
     for (int tile = t_beg; tile < t_end; ++tile) {
-        const int buf = (tile - t_beg) & 1;
-        if (tile + 1 < t_end) load_kv(tile + 1, buf ^ 1);
+        const int buf = (tile - t_beg) % STAGES;
+        const int ahead = tile + STAGES - 1;
+        if (ahead < t_end) load_kv(ahead, (ahead - t_beg) % STAGES);
         cp_async_commit();
-        cp_async_wait<1>();
+        cp_async_wait<STAGES - 1>();
         __syncthreads();
 
         const bf16* Kt = sK + buf * BN * D;
         const bf16* Vt = sV + buf * BN * D;
-        const int kv0 = kbeg + tile * BN;
+        const int kv0 = tile * BN;
 
         // S = Q K^T for this warp's 16 rows x KW keys.
         float sacc[NS][4];
@@ -237,7 +265,7 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
                 mma_bf16(o[2 * dp + 1], a0, a1, a2, a3, b2, b3);
             }
         }
-        __syncthreads();  // everyone is done with this buffer before the next iteration refills it
+        __syncthreads();  // everyone is done with this buffer before a later iteration refills it
     }
     cp_async_wait<0>();
 
@@ -247,6 +275,7 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
         l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 2);
     }
 
+    const bool writer = WN == 1 || wn == 0;  // the warp that writes its row group's result
     if (WN > 1) {
         // Merge the WN warps that share rows: each publishes (m, l, O) in its fragment layout, warp wn == 0
         // of each row group combines. The K/V buffers are free now and are large enough (4 x 16 x D floats).
@@ -268,7 +297,11 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
             sL[warp * 16 + g8 + 8] = l_r[1];
         }
         __syncthreads();
-        if (wn != 0) return;
+    }
+    if (WN > 1 && writer) {
+        const float* sO = reinterpret_cast<const float*>(smem_raw);
+        const float* sM = sO + 4 * 16 * D;
+        const float* sL = sM + 4 * 16;
         float w[WN][2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -310,7 +343,7 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = ra + 8 * r;
-        if (row >= R) continue;
+        if (!writer || row >= R) continue;
         const long long t = q0 + row / G;
         const int head = kvh * G + row % G;
         const float inv = l_r[r] > 0.f ? 1.f / l_r[r] : 0.f;

@@ -1,12 +1,25 @@
 """Paged attention on the GPU: metadata upload, launch-shape choice and split-K for kernels/attention.cu.
 
 One kernel serves all three forms (prefill, decode / verify, drafter): the G query heads sharing a KV head are
-packed as rows, so the shape of the problem is only `max_q_len * G` packed rows per (sequence, KV head):
-- many rows (prefill, or verify with big GQA groups): 64-row tiles, each warp owns 16 rows (WM=4, WN=1);
-- few rows (decode, short verify, the drafter's block): a 16- or 32-row tile, the warps split the keys of
-  each K/V tile instead (WN=4 or 2) and merge at the end, so no warp idles.
-When that leaves the GPU under-filled (few sequences x KV heads), the key range is also split across CTAs
-(split-K) and a second small kernel merges the partial results by their log-sum-exp.
+packed as rows, so the shape of the problem is only `max_q_len * G` packed rows per (sequence, KV head).
+
+Decode and verify (causal, at most DECODE_MAX_Q new tokens per sequence, contexts up to INVARIANT_MAX_CONTEXT)
+take one fixed launch shape so that a query row computes the same bits however many rows, sequences or splits
+share the launch: a verify row then reproduces exactly the decode of that token, which is what makes greedy
+speculative output equal autoregressive output on the GPU (rounding included), not merely close. That shape
+is a 16-row tile whose four warps split the keys of each K/V tile (WN=4) and merge at the end, and a split of
+the key range fixed by key position: split z holds keys [z * S, (z + 1) * S) with S = SPLIT_KEYS, and the merge
+kernel adds the splits in order (splits that saw no key of a row drop out exactly).
+Its price grows with the context: a verify pass reads each K/V tile once per 16 packed rows rather than once
+per 64, and writes a float32 partial per 64-key split. On the H200 (Qwen3-8B, batch 1) a verify step on it
+took about 0.9 ms longer than on the fast shape at a 2048-key bucket (BENCHMARKS.md), so only buckets up to
+INVARIANT_MAX_CONTEXT take it; longer contexts go the fast way and agree with decoding up to bf16 rounding
+instead of bit for bit.
+
+Prefill and the drafter (many rows, or non-causal) pick the shape for speed:
+- many rows: 64-row tiles, each warp owns 16 rows (WM=4, WN=1);
+- few rows: a 16- or 32-row tile, the warps split the keys of each K/V tile instead (WN=4 or 2);
+and split the key range in equal shares across CTAs only when that leaves the GPU under-filled.
 Every decision uses host-side integers from AttentionMeta, so nothing here synchronises with the device.
 """
 from __future__ import annotations
@@ -25,6 +38,9 @@ BN = 64  # keys per K/V tile (ATTN_BN in attention.cu)
 THREADS = 128
 HEAD_DIMS = (64, 128, 256)
 MAX_SPLITS = 64
+DECODE_MAX_Q = 32  # causal runs of up to this many new tokens per sequence take the row-invariant shape,
+INVARIANT_MAX_CONTEXT = 512  # while the context bucket is at most this
+SPLIT_KEYS = 64  # keys per split on that shape: one K/V tile per CTA, the most parallel choice
 
 
 @dataclass(slots=True)
@@ -43,19 +59,24 @@ def upload_meta(meta: AttentionMeta) -> DeviceMeta:
 
 
 def _layouts(d: int) -> tuple[str, ...]:
-    return (f"attn_fwd<{d}, 4, 1>", f"attn_fwd<{d}, 2, 2>", f"attn_fwd<{d}, 1, 4>", f"attn_combine<{d}>")
+    return (f"attn_fwd<{d}, 4, 1, 2>", f"attn_fwd<{d}, 2, 2, 2>", f"attn_fwd<{d}, 1, 4, 2>",
+            f"attn_combine<{d}>")
 
 
-_smem_raised: set[tuple[int, int, int]] = set()
+_smem_raised: set[str] = set()
 
 
-def _forward_kernel(d: int, wm: int, wn: int, smem: int) -> cupy.RawKernel:
-    names = _layouts(d)
-    kern = kernel_loader.function("attention", f"attn_fwd<{d}, {wm}, {wn}>", names)
-    if smem > 48 * 1024 and (d, wm, wn) not in _smem_raised:
+def _forward_kernel(d: int, wm: int, wn: int, stages: int, smem: int) -> cupy.RawKernel:
+    name = f"attn_fwd<{d}, {wm}, {wn}, {stages}>"
+    kern = kernel_loader.function("attention", name, _layouts(d))
+    if smem > 48 * 1024 and name not in _smem_raised:
         kern.max_dynamic_shared_size_bytes = smem  # opt in to more than the default 48 KiB
-        _smem_raised.add((d, wm, wn))
+        _smem_raised.add(name)
     return kern
+
+
+def smem_bytes(d: int, wm: int, stages: int) -> int:
+    return (16 * wm * d + 2 * stages * BN * d) * 2  # Q tile + STAGES K and V tiles, bf16
 
 
 def choose_layout(packed_rows: int) -> tuple[int, int]:
@@ -126,13 +147,21 @@ def attention(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, met
     dm: DeviceMeta = meta.device
     n = len(meta.context_lens)
     group = hq // hk
-    wm, wn = choose_layout(meta.max_q_len * group)
-    bm = 16 * wm
-    qtiles = cdiv(meta.max_q_len * group, bm)
-    smem = (bm * d + 4 * BN * d) * 2  # Q tile + double-buffered K and V tiles, bf16
-    kern = _forward_kernel(d, wm, wn, smem)
-    nsplit = choose_splits(qtiles * (batch_bucket(n) or n) * hk, context_bucket(meta.max_context_len),
-                           num_sms * ctas_per_sm(kern, smem))
+    ctx_bucket = context_bucket(meta.max_context_len)
+    if causal and meta.max_q_len <= DECODE_MAX_Q and ctx_bucket <= INVARIANT_MAX_CONTEXT:
+        wm, wn = 1, 4  # decode / verify: the row-invariant shape
+        split_tiles = SPLIT_KEYS // BN
+        nsplit = cdiv(ctx_bucket, SPLIT_KEYS)
+    else:
+        wm, wn = choose_layout(meta.max_q_len * group)
+        split_tiles = 0
+    qtiles = cdiv(meta.max_q_len * group, 16 * wm)
+    ctas = qtiles * (batch_bucket(n) or n) * hk
+    stages = 2  # deeper K/V pipelines measured no faster: a CTA's tiles arrive at the SM's own pace
+    smem = smem_bytes(d, wm, stages)
+    kern = _forward_kernel(d, wm, wn, stages, smem)
+    if not split_tiles:
+        nsplit = choose_splits(ctas, ctx_bucket, num_sms * ctas_per_sm(kern, smem))
     if nsplit > 1:
         o_part = cupy.empty((nsplit, t, hq, d), dtype=cupy.float32)  # per-split normalised outputs
         lse_part = cupy.empty((nsplit, t, hq), dtype=cupy.float32)  # per-split log2-sum-exp
@@ -141,7 +170,7 @@ def attention(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, met
     kern((qtiles, n * hk, nsplit), (THREADS,),
          (q, i64(sq), k_cache, v_cache, dm.cu_seqlens, dm.context_lens, dm.block_tables,
           i32(dm.block_tables.shape[1]), i32(block_size), i32(hq), i32(hk), f32(scale), i32(1 if causal else 0),
-          i32(max(0, int(window))), i32(nsplit), i32(t), out, o_part, lse_part),
+          i32(max(0, int(window))), i32(nsplit), i32(split_tiles), i32(t), out, o_part, lse_part),
          shared_mem=smem)
     if nsplit > 1:
         rows = t * hq

@@ -382,7 +382,7 @@ def run_attention(cb, rng, d, hk, group, q_lens, ctx_lens, causal, window, block
     poison_pool(ref.size * 2)
     check(cb.to_numpy(cb.attention(dq, dk, dv, meta, scale, causal, window)), ref)  # split-K as chosen
     poison_pool(ref.size * 2)
-    single = cuda_attention.attention(dq, dk, dv, meta, scale, causal, window, num_sms=1)  # forces one split
+    single = cuda_attention.attention(dq, dk, dv, meta, scale, causal, window, num_sms=1)  # fewest splits
     check(cb.to_numpy(single), ref)
 
 
@@ -409,6 +409,33 @@ def test_attention_long_context_split(cb, rng, q_len):
 
 def test_attention_big_blocks(cb, rng):
     run_attention(cb, rng, 128, 2, 4, [16, 7], [600, 300], False, 0, block_size=256)
+
+
+@pytest.mark.parametrize("d,group,window", [(128, 4, 0), (64, 3, 0), (128, 8, 100)])
+def test_verify_rows_equal_decode_bitwise(cb, rng, d, group, window):
+    """A verify pass of 16 tokens gives every row exactly the bits of decoding that token alone, whatever
+    else shares the launch: that is what makes speculative greedy output equal autoregressive output."""
+    hk, q_len, ctx = 2, 16, 300  # 300 keys: five 64-key splits, the last one partial
+    other_ctx = 480  # a longer neighbour: more splits in the grid, the extra ones empty for our rows
+    assert cuda_attention.context_bucket(other_ctx) <= cuda_attention.INVARIANT_MAX_CONTEXT
+    kc, vc, tables = make_paged(rng, d, hk, [q_len, 1], [ctx, other_ctx])
+    q = rnd(rng, q_len + 1, hk * group * d)
+    dq, dk, dv = cb.asarray(q, "act"), cb.asarray(kc, "act"), cb.asarray(vc, "act")
+    scale = d ** -0.5
+
+    def run(q_rows, q_lens, ctx_lens, seq_tables):
+        meta = cb.prepare_meta(build_meta(q_lens, ctx_lens, seq_tables))
+        return bits(cb.attention(q_rows, dk, dv, meta, scale, True, window)).get()
+
+    verify = run(dq[:q_len], [q_len], [ctx], tables[:1])
+    with_neighbour = run(dq, [q_len, 1], [ctx, other_ctx], tables)
+    assert np.array_equal(with_neighbour[:q_len], verify)
+    for i in range(q_len):
+        pos = ctx - q_len + i
+        decode = run(dq[i:i + 1], [1], [pos + 1], tables[:1])
+        assert np.array_equal(decode[0], verify[i]), f"row {i} (position {pos}) differs from its decode"
+    ref = nb.attention(q[:q_len], kc, vc, build_meta([q_len], [ctx], tables[:1]), scale, True, window)
+    check(bf16_bits_to_f32(verify), ref)
 
 
 # ----------------------------------------------------------------------------------------------- graphs
