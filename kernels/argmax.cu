@@ -23,6 +23,7 @@ __device__ __forceinline__ float to_f(bf16 v) { return __bfloat162float(v); }
 
 template <typename T, bool VEC>
 __global__ void argmax_partial(const T* __restrict__ x, long long sx, int V, unsigned long long* __restrict__ keys) {
+    pdl_entry();
     constexpr int E = 16 / sizeof(T);  // elements per 16-byte vector
     const long long row = blockIdx.y;
     const T* xr = x + row * sx;
@@ -61,6 +62,7 @@ __global__ void argmax_partial(const T* __restrict__ x, long long sx, int V, uns
 }
 
 extern "C" __global__ void argmax_finish(const unsigned long long* __restrict__ keys, int* __restrict__ out, int rows) {
+    pdl_entry();
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r < rows) out[r] = (int)(0xffffffffu - (unsigned)(keys[r] & 0xffffffffull));
 }

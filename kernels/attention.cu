@@ -78,6 +78,7 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
          const int* __restrict__ block_tables, int max_blocks, int block_size, int Hq, int Hk, float scale,
          int causal, int window, int nsplit, int split_tiles, int T, bf16* __restrict__ out,
          float* __restrict__ o_part, float* __restrict__ lse_part) {
+    pdl_entry();
     static_assert(WM * WN == 4, "4 warps");
     constexpr int BN = ATTN_BN;
     constexpr int BM = 16 * WM;
@@ -370,6 +371,7 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
 template <int D>
 __global__ void attn_combine(const float* __restrict__ o_part, const float* __restrict__ lse_part,
                              bf16* __restrict__ out, int rows, int nsplit) {
+    pdl_entry();
     constexpr int PER = D / 32;
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;

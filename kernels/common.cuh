@@ -47,6 +47,17 @@ __device__ __forceinline__ void store8(float* row, int c, const float* f) {
     reinterpret_cast<float4*>(row)[2 * c + 1] = make_float4(f[4], f[5], f[6], f[7]);
 }
 
+// Programmatic dependent launch (cudflash/backends/pdl.py), the first statement of every cudflash kernel:
+// let the next kernel in the stream launch (its CTAs take SMs as ours leave), then wait until the previous
+// kernel has finished and its writes are visible. Nothing may read a predecessor's output before this.
+// Both are no-ops for a kernel launched without the attribute, and compiled out before sm_90.
+__device__ __forceinline__ void pdl_entry() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Two floats -> one 32-bit register of two bf16 (the lower index in the low half), the mma operand format.
 __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     bf162 h = __floats2bfloat162_rn(lo, hi);

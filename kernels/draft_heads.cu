@@ -48,6 +48,7 @@ template <typename X, typename CO, typename B>
 __global__ void block_conv(const X* __restrict__ x, long long sx, const CO* __restrict__ coeff, long long sc,
                            const B* __restrict__ base, long long sb, X* __restrict__ out, int T, int C, int K,
                            int G, int block) {
+    pdl_entry();
     const int vpr = C >> 3;
     const long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (g >= (long long)T * vpr) return;
@@ -128,6 +129,7 @@ __device__ __forceinline__ void topk_fetch(const unsigned long long* __restrict_
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(TOPK_THREADS) topk_level(const T* __restrict__ in, long long s_in, int n, int k,
                                                            unsigned long long* __restrict__ out) {
+    pdl_entry();
     __shared__ unsigned long long tmax[TOPK_THREADS];
     __shared__ unsigned long long cand[TOPK_MAX_K * TOPK_PER];
     __shared__ unsigned long long lower;
@@ -173,6 +175,7 @@ __global__ void __launch_bounds__(TOPK_THREADS) topk_level(const T* __restrict__
 template <typename T>
 __global__ void topk_write(const unsigned long long* __restrict__ keys, const T* __restrict__ x, long long sx,
                            float* __restrict__ vals, int* __restrict__ ids, int total, int k) {
+    pdl_entry();
     const int g = blockIdx.x * blockDim.x + threadIdx.x;
     if (g >= total) return;
     const long long row = g / k;
@@ -192,6 +195,7 @@ __global__ void __launch_bounds__(PS_THREADS) pair_scores(
         const float* __restrict__ unary, const int* __restrict__ cand, const int* __restrict__ pred,
         const H* __restrict__ hidden, long long sh, const bf16* __restrict__ A, long long sa,
         const bf16* __restrict__ B, long long sb, float* __restrict__ out, int P, int K, int r) {
+    pdl_entry();
     __shared__ float sa_[PS_TILE][PS_RT + 1];
     __shared__ float sb_[PS_TILE][PS_RT + 1];
     __shared__ int sid[2 * PS_TILE];

@@ -11,6 +11,7 @@
 
 template <typename G>
 __global__ void silu_mul(const G* __restrict__ gate_up, long long sg, bf16* __restrict__ out, int T, int I) {
+    pdl_entry();
     const int vpr = I >> 3;
     const long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (g >= (long long)T * vpr) return;
@@ -28,6 +29,7 @@ __global__ void silu_mul(const G* __restrict__ gate_up, long long sg, bf16* __re
 template <typename A, typename B>
 __global__ void add(const A* __restrict__ a, long long sa, const B* __restrict__ b, long long sb,
                     bf16* __restrict__ out, int T, int W) {
+    pdl_entry();
     const int vpr = W >> 3;
     const long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (g >= (long long)T * vpr) return;
@@ -43,6 +45,7 @@ __global__ void add(const A* __restrict__ a, long long sa, const B* __restrict__
 
 template <typename Y>
 __global__ void bias_add(Y* __restrict__ y, const bf16* __restrict__ bias, int T, int N) {
+    pdl_entry();
     const int vpr = N >> 3;
     const long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (g >= (long long)T * vpr) return;

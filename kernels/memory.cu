@@ -10,6 +10,7 @@
 
 extern "C" __global__ void gather_rows(const uint4* __restrict__ src, long long src_stride,
                                        const int* __restrict__ rows, uint4* __restrict__ dst, int width) {
+    pdl_entry();
     const int t = blockIdx.x;
     const int c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= width) return;
@@ -20,11 +21,13 @@ extern "C" __global__ void gather_rows(const uint4* __restrict__ src, long long 
 }
 
 extern "C" __global__ void f32_to_bf16(const float* __restrict__ src, bf16* __restrict__ dst, long long n) {
+    pdl_entry();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         dst[i] = __float2bfloat16_rn(src[i]);
 }
 
 extern "C" __global__ void f16_to_bf16(const __half* __restrict__ src, bf16* __restrict__ dst, long long n) {
+    pdl_entry();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         dst[i] = __float2bfloat16_rn(__half2float(src[i]));
 }

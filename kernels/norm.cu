@@ -16,6 +16,7 @@ template <int VPT, bool ADD, typename X, typename RES>
 __global__ void rms_norm(const X* __restrict__ x, long long sx, const RES* __restrict__ res, long long sr,
                          const bf16* __restrict__ w, bf16* __restrict__ out, float* __restrict__ res_out,
                          int H, float eps) {
+    pdl_entry();
     const long long t = blockIdx.x;
     const int nvec = H >> 3;
     float v[VPT][8];

@@ -40,6 +40,7 @@ __global__ void rope_store(const X* __restrict__ x, long long sx, const int* __r
                            const bf16* __restrict__ q_w, const bf16* __restrict__ k_w, const int* __restrict__ slots,
                            bf16* __restrict__ q_out, bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
                            int T, int q_heads, int kv_heads, float eps) {
+    pdl_entry();
     constexpr int TPH = D / 16, HALF = D / 2;
     const int heads = q_heads + 2 * kv_heads;
     const long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x;

@@ -66,11 +66,11 @@ def _layouts(d: int) -> tuple[str, ...]:
 _smem_raised: set[str] = set()
 
 
-def _forward_kernel(d: int, wm: int, wn: int, stages: int, smem: int) -> cupy.RawKernel:
+def _forward_kernel(d: int, wm: int, wn: int, stages: int, smem: int) -> kernel_loader.Kernel:
     name = f"attn_fwd<{d}, {wm}, {wn}, {stages}>"
     kern = kernel_loader.function("attention", name, _layouts(d))
     if smem > 48 * 1024 and name not in _smem_raised:
-        kern.max_dynamic_shared_size_bytes = smem  # opt in to more than the default 48 KiB
+        kern.raw.max_dynamic_shared_size_bytes = smem  # opt in to more than the default 48 KiB
         _smem_raised.add(name)
     return kern
 
@@ -91,11 +91,11 @@ def choose_layout(packed_rows: int) -> tuple[int, int]:
 _occupancy: dict[tuple[int, int], int] = {}
 
 
-def ctas_per_sm(kern: cupy.RawKernel, smem: int) -> int:
+def ctas_per_sm(kern: kernel_loader.Kernel, smem: int) -> int:
     """Resident CTAs of this kernel per SM, from its register count and shared memory (Hopper limits)."""
     key = (id(kern), smem)
     if key not in _occupancy:  # a driver query per attribute: do it once per kernel
-        regs = max(1, int(kern.attributes.get("num_regs", 255)))
+        regs = max(1, int(kern.raw.attributes.get("num_regs", 255)))
         by_regs = 65536 // (-(-regs // 8) * 8 * THREADS)
         by_smem = (228 * 1024) // (smem + 1024)  # 1 KiB per CTA is reserved by the system
         _occupancy[key] = max(1, min(by_regs, by_smem, 16))

@@ -5,6 +5,8 @@ Sources are found in the installed wheel (`cudflash.kernels`) or, in a source ch
 on-disk kernel cache is keyed by the source text, so an inlined header that changes also changes the key
 (with `-I`, an edited header would silently reuse a stale cubin). `#line` directives keep NVRTC's error
 messages pointing at the real file and line. CuPy picks `-arch=sm_XX` for the current device itself.
+Kernels come back as `Kernel`, which launches like a RawKernel and, while a CUDA graph is being captured,
+with programmatic dependent launch (pdl.py).
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import re
 from pathlib import Path
 
 import cupy
+
+from cudflash.backends import pdl
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _OPTIONS: tuple[str, ...] = ()  # CuPy adds -arch for the device and --std=c++17 (v14) itself
@@ -63,7 +67,21 @@ def module(name: str, name_expressions: tuple[str, ...] = ()) -> cupy.RawModule:
     return cupy.RawModule(code=source(name), options=_OPTIONS, name_expressions=name_expressions or None)
 
 
+class Kernel:
+    """A compiled kernel, called like a RawKernel: `kernel(grid, block, args, shared_mem=0)`."""
+
+    def __init__(self, raw: cupy.RawKernel) -> None:
+        self.raw = raw  # the CuPy kernel: attributes, dynamic shared memory opt-in
+
+    def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0) -> None:
+        stream = cupy.cuda.get_current_stream()
+        if stream.is_capturing() and pdl.available():
+            pdl.launch(self.raw, grid, block, args, shared_mem, stream)
+        else:
+            self.raw(grid, block, args, shared_mem=shared_mem)
+
+
 @functools.cache
-def function(name: str, kernel: str, name_expressions: tuple[str, ...] = ()) -> cupy.RawKernel:
+def function(name: str, kernel: str, name_expressions: tuple[str, ...] = ()) -> Kernel:
     """One kernel of `kernels/<name>.cu`: an `extern "C"` name, or one of `name_expressions` (templates)."""
-    return module(name, name_expressions).get_function(kernel)
+    return Kernel(module(name, name_expressions).get_function(kernel))

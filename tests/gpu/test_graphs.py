@@ -67,3 +67,27 @@ def test_captured_steps_stay_within_their_memory_bound(tiny_pair, goldens, eager
     for got, batch in zip(outs, (prompts[:1], prompts, prompts[:1])):
         want = eager.generate(batch, PARAMS)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_captured_kernels_use_programmatic_dependent_launch(tiny_pair, goldens, monkeypatch):
+    """On Hopper, cudflash kernels inside a captured step are launched with PDL (they may start while their
+    predecessor drains), and the tokens equal those of graphs whose kernels are launched plainly."""
+    from cudflash.backends import pdl
+
+    if not pdl.available():
+        pytest.skip("this device or driver cannot do programmatic dependent launch")
+    launched = []
+    real_launch = pdl.launch
+    monkeypatch.setattr(pdl, "launch", lambda kernel, *rest: (launched.append(kernel), real_launch(kernel, *rest)))
+    prompts = [g["prompt_ids"] for g in goldens[:4]]
+
+    def run() -> list[list[int]]:
+        llm = LLM(tiny_pair / "target", draft=tiny_pair / "drafter", backend="cuda")
+        return [o.token_ids for o in llm.generate(prompts, PARAMS)]
+
+    with_pdl = run()
+    assert len(launched) > 100  # every layer's norms, RoPE/KV store, attention, SiLU of every captured step
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    launched.clear()
+    assert run() == with_pdl
+    assert not launched

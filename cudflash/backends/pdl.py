@@ -1,0 +1,90 @@
+"""Programmatic dependent launch (PDL): let a kernel start while the previous kernel in the stream drains.
+
+A captured decode step is a chain of hundreds of small dependent kernels, and every boundary costs a launch and
+a ramp-up during which SMs idle. Launched with the programmatic-stream-serialization attribute (Hopper and
+later), a kernel's CTAs may be scheduled once every CTA of the previous kernel has started and signalled
+(`griddepcontrol.launch_dependents`; a kernel that never signals, such as cuBLAS's, does so as its CTAs exit).
+They then wait in `griddepcontrol.wait` until the previous kernel has finished and its writes are visible, so
+the launch overlaps the predecessor's tail instead of following it. Every cudflash kernel begins with both
+(`pdl_entry` in kernels/common.cuh): with a normal launch they are no-ops.
+
+CuPy's RawKernel cannot set launch attributes, so this calls cuLaunchKernelEx on the driver library through
+ctypes. `kernel_loader.Kernel` uses it only while a stream is capturing a CUDA graph: that is where the gaps
+show, and eager launches gain nothing worth the extra Python work per call.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import cupy
+import numpy as np
+
+from cudflash.errors import BackendError
+
+ENABLED = True  # tests and A/B measurements switch it off to compare against plain launches
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, pad to 8 bytes, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)),
+                ("num_attrs", ctypes.c_uint)]
+
+
+_SCALARS = {np.int32: ctypes.c_int32, np.int64: ctypes.c_int64, np.float32: ctypes.c_float}
+
+
+@functools.cache
+def _driver() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
+    """(cuLaunchKernelEx, cuGetErrorName), or None where the driver or the device cannot do PDL."""
+    major, _ = divmod(int(cupy.cuda.Device().compute_capability), 10)
+    if major < 9:
+        return None
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        launch, name = lib.cuLaunchKernelEx, lib.cuGetErrorName
+    except (OSError, AttributeError):  # no driver library, or one older than CUDA 12
+        return None
+    launch.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                       ctypes.c_void_p]
+    launch.restype = ctypes.c_int
+    name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    name.restype = ctypes.c_int
+    return launch, name
+
+
+def available() -> bool:
+    return ENABLED and _driver() is not None
+
+
+def _ctype(arg: object) -> ctypes._SimpleCData:
+    if isinstance(arg, cupy.ndarray):
+        return ctypes.c_void_p(arg.data.ptr)
+    conv = _SCALARS.get(type(arg))
+    if conv is None:
+        raise BackendError(f"pdl launch: kernel argument of type {type(arg).__name__} (pass cupy arrays and "
+                           "numpy int32 / int64 / float32 scalars)")
+    return conv(arg.item())
+
+
+def launch(kernel: cupy.RawKernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int,
+           stream: cupy.cuda.Stream) -> None:
+    """kernel<<<grid, block, shared_mem, stream>>>(*args), allowed to overlap the previous kernel's tail."""
+    launch_ex, error_name = _driver()
+    values = [_ctype(a) for a in args]  # alive until the call returns; the driver copies them
+    params = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
+    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1  # programmaticStreamSerializationAllowed
+    g, b = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
+    config = _LaunchConfig((ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b), shared_mem, stream.ptr,
+                           ctypes.pointer(attr), 1)
+    status = launch_ex(ctypes.byref(config), kernel.kernel.ptr, params, None)
+    if status != 0:
+        text = ctypes.c_char_p()
+        error_name(status, ctypes.byref(text))
+        raise BackendError(f"cuLaunchKernelEx failed: {(text.value or b'?').decode()} ({status})")
