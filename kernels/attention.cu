@@ -17,9 +17,9 @@
 //   16 wm .. 16 wm + 15 and keys wn * BN / WN .. of every BN-key tile, with its own running (max, sum, O);
 //   when WN > 1 (query runs too short to give every warp its own rows) the warps' partial states are merged
 //   through shared memory at the end. All 128 threads stream K/V tiles with cp.async, double-buffered.
-// Shared memory: Q [BM][D], K [STAGES][BN][D], V [STAGES][BN][D], rows of D bf16 stored as 16-byte chunks
-//   XOR-swizzled by (row & 7), so ldmatrix reads and cp.async writes are free of bank conflicts. STAGES - 1
-//   K/V tiles are in flight while one is computed on.
+// Shared memory: Q [BM][D], K [2][BN][D], V [2][BN][D], rows of D bf16 stored as 16-byte chunks XOR-swizzled
+//   by (row & 7), so ldmatrix reads and cp.async writes are free of bank conflicts. (Four K/V stages in
+//   flight instead of two measured no faster.)
 // Output: nsplit == 1 writes bf16 out directly; otherwise each split writes its normalised float32 partial
 //   o_part [nsplit, T, Hq, D] and log2-sum-exp lse_part [nsplit, T, Hq], and attn_combine merges them in
 //   split order, skipping splits that saw no key. One visible split merges to the exact bits of the
@@ -71,7 +71,7 @@ __device__ __forceinline__ int swz(int row, int chunk) {
     return row * D + ((chunk ^ (row & 7)) << 3);
 }
 
-template <int D, int WM, int WN, int STAGES>
+template <int D, int WM, int WN>
 __global__ void __launch_bounds__(ATTN_THREADS)
 attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_cache,
          const bf16* __restrict__ v_cache, const int* __restrict__ cu_seqlens, const int* __restrict__ context_lens,
@@ -90,8 +90,8 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     bf16* sQ = reinterpret_cast<bf16*>(smem_raw);  // [BM][D]
-    bf16* sK = sQ + BM * D;                        // [STAGES][BN][D]
-    bf16* sV = sK + STAGES * BN * D;               // [STAGES][BN][D]
+    bf16* sK = sQ + BM * D;                        // [2][BN][D]
+    bf16* sV = sK + 2 * BN * D;                    // [2][BN][D]
 
     const int G = Hq / Hk;
     const int s = blockIdx.y / Hk, kvh = blockIdx.y % Hk;
@@ -125,25 +125,19 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
     const int pa = pos0 + ra / G, pb = pos0 + (ra + 8) / G;
     const float sl2 = scale * LOG2E;
 
-    // All block-table reads of a tile are issued before any copy that needs them: one round trip per tile
-    // rather than one per row this thread copies (which made a tile cost several microseconds of latency).
     auto load_kv = [&](int tile, int buf) {
-        constexpr int PER_THREAD = BN * CPR / ATTN_THREADS;
         const int kv0 = tile * BN;
-        int block[PER_THREAD];
 #pragma unroll
-        for (int i = 0; i < PER_THREAD; ++i) {
-            const int j = kv0 + (tid + i * ATTN_THREADS) / CPR;
-            block[i] = j < kend ? __ldg(table + j / block_size) : 0;
-        }
-#pragma unroll
-        for (int i = 0; i < PER_THREAD; ++i) {
+        for (int i = 0; i < BN * CPR / ATTN_THREADS; ++i) {
             const int idx = tid + i * ATTN_THREADS;
             const int row = idx / CPR, ch = idx % CPR;
             const int j = kv0 + row;
             const bool ok = j < kend;
-            const long long slot = (long long)block[i] * block_size + j % block_size;
-            const long long off = ok ? (slot * Hk + kvh) * D + ch * 8 : 0;
+            long long off = 0;
+            if (ok) {
+                const long long slot = (long long)table[j / block_size] * block_size + j % block_size;
+                off = (slot * Hk + kvh) * D + ch * 8;
+            }
             cp_async16(sK + buf * BN * D + swz<D>(row, ch), k_cache + off, ok);
             cp_async16(sV + buf * BN * D + swz<D>(row, ch), v_cache + off, ok);
         }
@@ -164,21 +158,15 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
             if (ok) src = q + (long long)(q0 + r / G) * sq + (kvh * G + r % G) * D + ch * 8;
             cp_async16(sQ + swz<D>(row, ch), src, ok);
         }
+        load_kv(t_beg, 0);
     }
-    // Prologue: Q and the first STAGES - 1 tiles, one commit group per tile (groups may be empty), so that
-    // waiting for all but the newest STAGES - 2 groups means "this iteration's tile has landed".
-#pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {
-        if (t_beg + i < t_end) load_kv(t_beg + i, i);
-        cp_async_commit();
-    }
+    cp_async_commit();
 
     for (int tile = t_beg; tile < t_end; ++tile) {
-        const int buf = (tile - t_beg) % STAGES;
-        const int ahead = tile + STAGES - 1;
-        if (ahead < t_end) load_kv(ahead, (ahead - t_beg) % STAGES);
+        const int buf = (tile - t_beg) & 1;
+        if (tile + 1 < t_end) load_kv(tile + 1, buf ^ 1);
         cp_async_commit();
-        cp_async_wait<STAGES - 1>();
+        cp_async_wait<1>();
         __syncthreads();
 
         const bf16* Kt = sK + buf * BN * D;
@@ -266,7 +254,7 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
                 mma_bf16(o[2 * dp + 1], a0, a1, a2, a3, b2, b3);
             }
         }
-        __syncthreads();  // everyone is done with this buffer before a later iteration refills it
+        __syncthreads();  // everyone is done with this buffer before the next iteration refills it
     }
     cp_async_wait<0>();
 
@@ -276,7 +264,6 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
         l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 2);
     }
 
-    const bool writer = WN == 1 || wn == 0;  // the warp that writes its row group's result
     if (WN > 1) {
         // Merge the WN warps that share rows: each publishes (m, l, O) in its fragment layout, warp wn == 0
         // of each row group combines. The K/V buffers are free now and are large enough (4 x 16 x D floats).
@@ -298,11 +285,7 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
             sL[warp * 16 + g8 + 8] = l_r[1];
         }
         __syncthreads();
-    }
-    if (WN > 1 && writer) {
-        const float* sO = reinterpret_cast<const float*>(smem_raw);
-        const float* sM = sO + 4 * 16 * D;
-        const float* sL = sM + 4 * 16;
+        if (wn != 0) return;
         float w[WN][2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -344,7 +327,7 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = ra + 8 * r;
-        if (!writer || row >= R) continue;
+        if (row >= R) continue;
         const long long t = q0 + row / G;
         const int head = kvh * G + row % G;
         const float inv = l_r[r] > 0.f ? 1.f / l_r[r] : 0.f;

@@ -23,7 +23,7 @@ def time_graph(fn, copies=20):
     return statistics.median(t) * 1e3
 LOAD = "            cp_async16(sK + buf * BN * D + swz<D>(row, ch), k_cache + off, ok);\n            cp_async16(sV + buf * BN * D + swz<D>(row, ch), v_cache + off, ok);"
 S_BEGIN = "        // S = Q K^T for this warp's 16 rows x KW keys."
-S_END = "        __syncthreads();  // everyone is done with this buffer before a later iteration refills it"
+S_END = "        __syncthreads();  // everyone is done with this buffer before the next iteration refills it"
 assert LOAD in orig and S_BEGIN in orig and S_END in orig
 i0, i1 = orig.index(S_BEGIN), orig.index(S_END)
 variants = {

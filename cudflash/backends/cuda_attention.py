@@ -59,24 +59,18 @@ def upload_meta(meta: AttentionMeta) -> DeviceMeta:
 
 
 def _layouts(d: int) -> tuple[str, ...]:
-    return (f"attn_fwd<{d}, 4, 1, 2>", f"attn_fwd<{d}, 2, 2, 2>", f"attn_fwd<{d}, 1, 4, 2>",
-            f"attn_combine<{d}>")
+    return (f"attn_fwd<{d}, 4, 1>", f"attn_fwd<{d}, 2, 2>", f"attn_fwd<{d}, 1, 4>", f"attn_combine<{d}>")
 
 
-_smem_raised: set[str] = set()
+_smem_raised: set[tuple[int, int, int]] = set()
 
 
-def _forward_kernel(d: int, wm: int, wn: int, stages: int, smem: int) -> kernel_loader.Kernel:
-    name = f"attn_fwd<{d}, {wm}, {wn}, {stages}>"
-    kern = kernel_loader.function("attention", name, _layouts(d))
-    if smem > 48 * 1024 and name not in _smem_raised:
+def _forward_kernel(d: int, wm: int, wn: int, smem: int) -> kernel_loader.Kernel:
+    kern = kernel_loader.function("attention", f"attn_fwd<{d}, {wm}, {wn}>", _layouts(d))
+    if smem > 48 * 1024 and (d, wm, wn) not in _smem_raised:
         kern.raw.max_dynamic_shared_size_bytes = smem  # opt in to more than the default 48 KiB
-        _smem_raised.add(name)
+        _smem_raised.add((d, wm, wn))
     return kern
-
-
-def smem_bytes(d: int, wm: int, stages: int) -> int:
-    return (16 * wm * d + 2 * stages * BN * d) * 2  # Q tile + STAGES K and V tiles, bf16
 
 
 def choose_layout(packed_rows: int) -> tuple[int, int]:
@@ -156,12 +150,10 @@ def attention(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, met
         wm, wn = choose_layout(meta.max_q_len * group)
         split_tiles = 0
     qtiles = cdiv(meta.max_q_len * group, 16 * wm)
-    ctas = qtiles * (batch_bucket(n) or n) * hk
-    stages = 2  # deeper K/V pipelines measured no faster: a CTA's tiles arrive at the SM's own pace
-    smem = smem_bytes(d, wm, stages)
-    kern = _forward_kernel(d, wm, wn, stages, smem)
+    smem = (16 * wm * d + 4 * BN * d) * 2  # Q tile + double-buffered K and V tiles, bf16
+    kern = _forward_kernel(d, wm, wn, smem)
     if not split_tiles:
-        nsplit = choose_splits(ctas, ctx_bucket, num_sms * ctas_per_sm(kern, smem))
+        nsplit = choose_splits(qtiles * (batch_bucket(n) or n) * hk, ctx_bucket, num_sms * ctas_per_sm(kern, smem))
     if nsplit > 1:
         o_part = cupy.empty((nsplit, t, hq, d), dtype=cupy.float32)  # per-split normalised outputs
         lse_part = cupy.empty((nsplit, t, hq), dtype=cupy.float32)  # per-split log2-sum-exp
