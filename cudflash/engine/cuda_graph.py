@@ -4,10 +4,19 @@ Three graphs per (padded batch, block width, context bucket), captured lazily wi
 - propose graph: drafter forward over the block -> LM head on the mask rows -> argmax -> the drafts written
   into the verify ids on the device (absent with block width 1, plain decoding);
 - verify graph: target forward over [pending token, drafts] -> float32 logits -> argmax (and the taps);
-- context graph: the taps of the committed rows (gathered by index, padded rows write nowhere) -> fc ->
-  hidden_norm -> stacked K/V GEMM -> k_norm + RoPE -> drafter cache.
-The host stages each step's inputs into the static buffers, replays, reads drafts and argmaxes back (one
-synchronisation), accepts, stages the committed rows and replays the context graph.
+- context graph: the drafter's context update from the taps of EVERY block row: fc -> hidden_norm -> stacked
+  K/V GEMM -> k_norm + RoPE -> drafter cache at the block's positions.
+The host stages each step's inputs into the static buffers and replays the propose and verify graphs; the
+drafts and argmaxes go back to page-locked host memory, and the context graph is queued behind that copy, so
+the device runs it while the host waits for the copy and accepts.
+
+Why the context update may run before acceptance, over rows that may be rejected: the drafter's context K/V at a
+position is a function of the target's tap at that position alone, and every row of the block was a verify
+input. The committed rows (the pending token and the accepted drafts, a prefix) therefore get the K/V an update
+after acceptance would write (bit for bit: the GEMMs see n x q rows, as in the gathered update this replaced and
+the GPU tests compare with eager steps), and the rows past them land at
+positions >= the new committed length, which the next propose overwrites with its own block's K/V before any
+attention reads them (its block starts at that length and is as long as this one). It also needs no staging.
 
 Rules kept here: every buffer a graph touches is allocated before capture or during capture from a memory
 pool private to that step's graphs, and is kept alive with them (two steps sharing a pool corrupted each
@@ -35,21 +44,28 @@ from cudflash.engine.propose import block_rows
 from cudflash.engine.sequence import Sequence
 from cudflash.models.batch import ForwardBatch
 
+def pinned_int32(size: int) -> np.ndarray:
+    """A host int32 array in page-locked memory, so that a copy into it is asynchronous DMA."""
+    memory = cupy.cuda.alloc_pinned_memory(max(1, size) * 4)
+    return np.frombuffer(memory, dtype=np.int32, count=size)  # its base keeps `memory` alive
+
+
 @dataclass
 class StepBuffers:
     """Static inputs of one (padded batch, block width): the host writes them before each replay.
 
-    The per-step inputs are views into two packed int32 buffers so that staging them is ONE host-to-device
-    copy each (every separate `.set()` is a synchronous pageable copy on the step's critical path).
+    The per-step inputs are views into one packed int32 buffer so that staging them is ONE host-to-device copy
+    (every separate `.set()` is a synchronous pageable copy on the step's critical path).
     """
 
     n: int
     q: int
     step_in: cupy.ndarray  # int32 [3 n q + n + n max_blocks]: ids | positions | slots | context_lens | block_tables
-    ctx_in: cupy.ndarray  # int32 [3 n q]: ctx_rows | ctx_positions | ctx_slots
     cu_seqlens: cupy.ndarray  # int32 [n + 1] = arange * q (fixed)
     draft_rows: cupy.ndarray  # int32 [n * (q - 1)]: the mask rows (fixed)
     verify_ids: cupy.ndarray  # int32 [n * q]: ids with the drafts in place of the masks (written on the device)
+    host_in: np.ndarray  # int32, page-locked, the layout of step_in
+    host_out: np.ndarray  # int32 [n q + n (q - 1)], page-locked: targets | drafts, copied back after verify
 
     def _part(self, buffer: cupy.ndarray, index: int) -> cupy.ndarray:
         nq = self.n * self.q
@@ -75,18 +91,6 @@ class StepBuffers:
     @property
     def block_tables(self) -> cupy.ndarray:  # int32 [n, max_blocks]
         return self.step_in[3 * self.n * self.q + self.n:].reshape(self.n, -1)
-
-    @property
-    def ctx_rows(self) -> cupy.ndarray:  # int32 [n * q]: committed rows to feed the drafter (padded with row 0)
-        return self._part(self.ctx_in, 0)
-
-    @property
-    def ctx_positions(self) -> cupy.ndarray:  # int32 [n * q]
-        return self._part(self.ctx_in, 1)
-
-    @property
-    def ctx_slots(self) -> cupy.ndarray:  # int32 [n * q]; -1 = padding
-        return self._part(self.ctx_in, 2)
 
 
 @dataclass
@@ -121,6 +125,7 @@ class StepGraphs:
         # (padded batch, block width, context bucket) -> captured step, least recently used first
         self.steps: OrderedDict[tuple[int, int, int], CapturedStep] = OrderedDict()
         self.num_captures = 0
+        self.copied_back = cupy.cuda.Event(disable_timing=True)  # recorded behind a step's device-to-host copy
 
     @property
     def nbytes(self) -> int:
@@ -135,9 +140,9 @@ class StepGraphs:
         if key not in self.buffers:
             z = lambda size: cupy.zeros(size, dtype=cupy.int32)  # noqa: E731
             self.buffers[key] = StepBuffers(
-                n, q, z(3 * n * q + n + n * self.max_blocks), z(3 * n * q),
-                cupy.asarray(np.arange(n + 1, dtype=np.int32) * q),
-                cupy.asarray(block_rows(n, q, 1, q - 1).astype(np.int32)), z(n * q))
+                n, q, z(3 * n * q + n + n * self.max_blocks), cupy.asarray(np.arange(n + 1, dtype=np.int32) * q),
+                cupy.asarray(block_rows(n, q, 1, q - 1).astype(np.int32)), z(n * q),
+                pinned_int32(3 * n * q + n + n * self.max_blocks), pinned_int32(n * q + n * (q - 1)))
         return self.buffers[key]
 
     def stage(self, seqs: list[Sequence], q: int, mask: int) -> tuple[StepBuffers, int]:
@@ -157,8 +162,9 @@ class StepGraphs:
             slots[i] = table[pos // bs] * bs + pos % bs
             ctx[i] = s.num_cached + q
             tables[i, : len(table)] = table
-        buf.step_in.set(np.concatenate([ids.reshape(-1), positions.reshape(-1), slots.reshape(-1), ctx,
-                                        tables.reshape(-1)]))
+        buf.host_in[:] = np.concatenate([ids.reshape(-1), positions.reshape(-1), slots.reshape(-1), ctx,
+                                         tables.reshape(-1)])
+        self._copy(buf.host_in, buf.step_in, cupy.cuda.runtime.memcpyHostToDevice)
         return buf, context_bucket(int(ctx.max()))
 
     def _meta(self, buf: StepBuffers, ctx_bucket: int) -> AttentionMeta:
@@ -185,8 +191,8 @@ class StepGraphs:
         return b.argmax(logits), logits, taps
 
     def _context_forward(self, buf: StepBuffers, taps: cupy.ndarray) -> None:
-        r, b = self.runner, self.b
-        r.draft.update_context(b.take_rows(taps, buf.ctx_rows), buf.ctx_positions, buf.ctx_slots, r.draft_kv)
+        """Every block row, before acceptance: see the module docstring."""
+        self.runner.draft.update_context(taps, buf.positions, buf.slots, self.runner.draft_kv)
 
     def _graph(self, fn, *args):
         """Run fn once eagerly (compiles kernels, lets cuBLAS choose its algorithms), then capture it."""
@@ -199,7 +205,7 @@ class StepGraphs:
 
     def _capture(self, buf: StepBuffers, ctx_bucket: int, speculative: bool) -> CapturedStep:
         # The eager warm-ups run on the staged inputs: they write the KV slots the replay writes next, with the
-        # same values. The context warm-up writes nowhere (all its slots are -1).
+        # same values.
         meta = self._meta(buf, ctx_bucket)
         # A private pool per captured step: its three graphs replay in the order they were captured, so they may
         # share memory with each other, but never with another step's graphs (whose outputs stay alive).
@@ -210,7 +216,6 @@ class StepGraphs:
                 propose_graph, drafts = self._graph(self._propose_forward, buf, meta)
             verify_graph, (targets, logits, taps) = self._graph(self._verify_forward, buf, meta, speculative)
             if speculative:
-                buf.ctx_slots.fill(-1)
                 context_graph, _ = self._graph(self._context_forward, buf, taps)
         self.num_captures += 1
         return CapturedStep(propose_graph, verify_graph, context_graph, drafts, targets, logits, pool,
@@ -231,23 +236,23 @@ class StepGraphs:
             step.propose_graph.launch(self.stream)
         return step, buf
 
-    def verify(self, step: CapturedStep) -> None:
+    def verify(self, step: CapturedStep, buf: StepBuffers) -> tuple[np.ndarray, np.ndarray]:
+        """Replay the verify graph, copy (targets [n, q], drafts [n, q - 1]) back, queue the context graph behind
+        the copy, and return them once the copy (not the context update) is done."""
         step.verify_graph.launch(self.stream)
+        nq = buf.n * buf.q
+        self._copy(step.targets, buf.host_out[:nq], cupy.cuda.runtime.memcpyDeviceToHost)
+        if step.drafts is not None:
+            self._copy(step.drafts, buf.host_out[nq:], cupy.cuda.runtime.memcpyDeviceToHost)
+        self.copied_back.record(self.stream)
+        if step.context_graph is not None:
+            step.context_graph.launch(self.stream)
+        self.copied_back.synchronize()
+        return buf.host_out[:nq].reshape(buf.n, buf.q).copy(), buf.host_out[nq:].reshape(buf.n, buf.q - 1).copy()
 
-    def commit_context(self, step: CapturedStep, buf: StepBuffers, seqs: list[Sequence],
-                       counts: list[int], starts: list[int]) -> None:
-        """Feed rows 0..count-1 of each sequence's block (now committed) to the drafter's context cache."""
-        bs = self.runner.blocks.block_size
-        rows = np.zeros(buf.n * buf.q, dtype=np.int32)
-        positions = np.zeros(buf.n * buf.q, dtype=np.int32)
-        slots = np.full(buf.n * buf.q, -1, dtype=np.int32)
-        k = 0
-        for i, (s, count, start) in enumerate(zip(seqs, counts, starts)):
-            pos = start + np.arange(count)
-            table = np.asarray(s.block_table, dtype=np.int32)
-            rows[k:k + count] = i * buf.q + np.arange(count)
-            positions[k:k + count] = pos
-            slots[k:k + count] = table[pos // bs] * bs + pos % bs
-            k += count
-        buf.ctx_in.set(np.concatenate([rows, positions, slots]))
-        step.context_graph.launch(self.stream)
+    def _copy(self, src: Any, dst: Any, kind: int) -> None:
+        """Queue a copy between a device array and a page-locked host array on the graphs' stream. A host array
+        is written (staging) or read (read-back) only while no copy of it is pending: each step synchronises on
+        its read-back before it stages the next."""
+        ptr = lambda a: a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr  # noqa: E731
+        cupy.cuda.runtime.memcpyAsync(ptr(dst), ptr(src), dst.nbytes, kind, self.stream.ptr)

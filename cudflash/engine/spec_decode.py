@@ -1,6 +1,6 @@
 """One engine step: propose, then ONE target forward over every prefill chunk and every verify block, then
 acceptance, then the drafter's context update for every newly committed row (DESIGN.md, "The speculative
-step"). Plain autoregressive decoding is the same step with block size 1 and no drafts.
+step"; a graphed step updates every block row before acceptance, see cuda_graph.py). Plain autoregressive decoding is the same step with block size 1 and no drafts.
 
 Afterwards every sequence keeps the invariant of `Sequence`: positions below num_cached hold valid target KV
 and drafter context K/V; a decoding sequence has exactly one pending token.
@@ -93,17 +93,13 @@ def _eager_step(runner: ModelRunner, plan: StepPlan, block: int, speculative: bo
 
 
 def _graphed_step(runner: ModelRunner, decodes: list, q: int, mark: Callable[[str], None]) -> list[list[int]]:
-    """The same step for decodes only, as graph replays: propose, verify, one read-back, accept, context."""
+    """The same step for decodes only, as graph replays: propose, verify, one read-back, accept; the drafter's
+    context update runs on the device meanwhile (cuda_graph.py)."""
     graphs, b = runner.graphs, runner.backend
     mask = runner.draft_cfg.mask_token_id if q > 1 else 0
     step, buf = graphs.propose(decodes, q, mask)
     mark("propose")
-    graphs.verify(step)
-    drafts = step.drafts.get().reshape(buf.n, q - 1)[: len(decodes)] if q > 1 else np.zeros((len(decodes), 0))
-    targets = step.targets.get()
+    targets, drafts = graphs.verify(step, buf)
     mark("verify")
     groups = [VerifyGroup(s, i * q, drafts[i].astype(np.int64)) for i, s in enumerate(decodes)]
-    emitted = verify_tokens(b, step.logits, groups, argmax=targets)
-    if q > 1:
-        graphs.commit_context(step, buf, decodes, [len(t) for t in emitted], [s.num_cached for s in decodes])
-    return emitted
+    return verify_tokens(b, step.logits, groups, argmax=targets.reshape(-1))
