@@ -54,8 +54,9 @@ def pinned_int32(size: int) -> np.ndarray:
 class StepBuffers:
     """Static inputs of one (padded batch, block width): the host writes them before each replay.
 
-    The per-step inputs are views into one packed int32 buffer so that staging them is ONE host-to-device copy
-    (every separate `.set()` is a synchronous pageable copy on the step's critical path).
+    The per-step inputs are views into one packed int32 buffer, staged from a page-locked mirror of the same
+    layout (`inputs` gives the views of either) with ONE asynchronous copy on the graphs' stream: ordered behind
+    the previous step's context graph, which reads its positions and slots, without the host waiting for it.
     """
 
     n: int
@@ -67,30 +68,32 @@ class StepBuffers:
     host_in: np.ndarray  # int32, page-locked, the layout of step_in
     host_out: np.ndarray  # int32 [n q + n (q - 1)], page-locked: targets | drafts, copied back after verify
 
-    def _part(self, buffer: cupy.ndarray, index: int) -> cupy.ndarray:
-        nq = self.n * self.q
-        return buffer[index * nq:(index + 1) * nq]
+    def inputs(self, packed: Any) -> tuple[Any, Any, Any, Any, Any]:
+        """Views of step_in or host_in: ids [n q] ([pending token, MASK x (q-1)] per sequence), positions [n q],
+        slots [n q] (-1 for padded sequences), context_lens [n], block_tables [n, max_blocks]."""
+        nq, n = self.n * self.q, self.n
+        return (packed[:nq], packed[nq:2 * nq], packed[2 * nq:3 * nq], packed[3 * nq:3 * nq + n],
+                packed[3 * nq + n:].reshape(n, -1))
 
     @property
-    def ids(self) -> cupy.ndarray:  # int32 [n * q]: [pending token, MASK x (q-1)] per sequence
-        return self._part(self.step_in, 0)
+    def ids(self) -> cupy.ndarray:
+        return self.inputs(self.step_in)[0]
 
     @property
-    def positions(self) -> cupy.ndarray:  # int32 [n * q]
-        return self._part(self.step_in, 1)
+    def positions(self) -> cupy.ndarray:
+        return self.inputs(self.step_in)[1]
 
     @property
-    def slots(self) -> cupy.ndarray:  # int32 [n * q]; -1 for padded sequences
-        return self._part(self.step_in, 2)
+    def slots(self) -> cupy.ndarray:
+        return self.inputs(self.step_in)[2]
 
     @property
-    def context_lens(self) -> cupy.ndarray:  # int32 [n]
-        start = 3 * self.n * self.q
-        return self.step_in[start:start + self.n]
+    def context_lens(self) -> cupy.ndarray:
+        return self.inputs(self.step_in)[3]
 
     @property
-    def block_tables(self) -> cupy.ndarray:  # int32 [n, max_blocks]
-        return self.step_in[3 * self.n * self.q + self.n:].reshape(self.n, -1)
+    def block_tables(self) -> cupy.ndarray:
+        return self.inputs(self.step_in)[4]
 
 
 @dataclass
@@ -149,11 +152,13 @@ class StepGraphs:
         n = batch_bucket(len(seqs))
         buf = self._buffers(n, q)
         bs = self.runner.blocks.block_size
-        ids = np.full((n, q), mask, dtype=np.int32)
-        positions = np.tile(np.arange(q, dtype=np.int32), (n, 1))
-        slots = np.full((n, q), -1, dtype=np.int32)
-        ctx = np.full(n, q, dtype=np.int32)
-        tables = np.full((n, self.max_blocks), self.dummy_block, dtype=np.int32)
+        ids, positions, slots, ctx, tables = buf.inputs(buf.host_in)  # filled in place, then one copy
+        ids, positions, slots = ids.reshape(n, q), positions.reshape(n, q), slots.reshape(n, q)
+        ids.fill(mask)
+        positions[:] = np.arange(q, dtype=np.int32)
+        slots.fill(-1)
+        ctx.fill(q)
+        tables.fill(self.dummy_block)
         for i, s in enumerate(seqs):
             ids[i, 0] = s.last_token
             pos = s.num_cached + np.arange(q)
@@ -162,8 +167,6 @@ class StepGraphs:
             slots[i] = table[pos // bs] * bs + pos % bs
             ctx[i] = s.num_cached + q
             tables[i, : len(table)] = table
-        buf.host_in[:] = np.concatenate([ids.reshape(-1), positions.reshape(-1), slots.reshape(-1), ctx,
-                                         tables.reshape(-1)])
         self._copy(buf.host_in, buf.step_in, cupy.cuda.runtime.memcpyHostToDevice)
         return buf, context_bucket(int(ctx.max()))
 

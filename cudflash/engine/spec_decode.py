@@ -1,6 +1,7 @@
 """One engine step: propose, then ONE target forward over every prefill chunk and every verify block, then
 acceptance, then the drafter's context update for every newly committed row (DESIGN.md, "The speculative
-step"; a graphed step updates every block row before acceptance, see cuda_graph.py). Plain autoregressive decoding is the same step with block size 1 and no drafts.
+step"; a graphed step updates every block row before acceptance, see cuda_graph.py). Plain autoregressive
+decoding is the same step with block size 1 and no drafts.
 
 Afterwards every sequence keeps the invariant of `Sequence`: positions below num_cached hold valid target KV
 and drafter context K/V; a decoding sequence has exactly one pending token.
