@@ -1,7 +1,8 @@
 """The CUDA backend: the op set of `base.Backend` on CuPy arrays, bf16 storage, float32 arithmetic in kernels.
 
 Every op launches on CuPy's current stream, and GEMMs go through cudflash's own cuBLAS handle bound to that
-same stream, so a caller can run a whole forward inside `with stream:` and capture it into a CUDA graph.
+same stream (or, for a few rows times a large weight, through the weight-streaming kernel of stream_gemm.py),
+so a caller can run a whole forward inside `with stream:` and capture it into a CUDA graph.
 Ops allocate their outputs from CuPy's pool; nothing here copies to or from the host except `asarray`,
 `load`, `to_numpy` and `prepare_meta`, and nothing synchronises except `synchronize`.
 """
@@ -13,7 +14,7 @@ from typing import Any
 import cupy
 import numpy as np
 
-from cudflash.backends import kernel_loader
+from cudflash.backends import kernel_loader, stream_gemm
 from cudflash.backends.base import AttentionMeta
 from cudflash.backends.cublas import Cublas
 from cudflash.backends.cuda_attention import attention as _attention
@@ -239,18 +240,23 @@ class CudaBackend:
         x = as_rows(x)
         if x.dtype != self.act or weight.dtype != self.act:
             raise BackendError(f"cuda linear: operands must be bf16, got {x.dtype} and {weight.dtype}")
-        if x.strides[1] != x.itemsize or (x.shape[0] > 1 and x.strides[0] < x.shape[1] * x.itemsize):
-            x = cupy.ascontiguousarray(bits(x)).view(self.act)
-        if not weight.flags.c_contiguous:
-            weight = cupy.ascontiguousarray(bits(weight)).view(self.act)
         m, k = x.shape
         n = weight.shape[0]
         if weight.shape[1] != k:
             raise BackendError(f"cuda linear: x is [{m}, {k}] but weight is {list(weight.shape)}")
+        streamed = stream_gemm.usable(m, n, k, weight.nbytes)
+        if x.strides[1] != x.itemsize or (m > 1 and x.strides[0] < k * x.itemsize) or (
+                streamed and (x.data.ptr % 16 or (m > 1 and x.strides[0] % 16))):
+            x = cupy.ascontiguousarray(bits(x)).view(self.act)  # the streamed kernel copies 16-byte aligned rows
+        if not weight.flags.c_contiguous:
+            weight = cupy.ascontiguousarray(bits(weight)).view(self.act)
         y = cupy.empty((m, n), dtype=cupy.float32 if out_f32 else self.act)
         if m == 0:
             return y
-        self.blas.gemm_bf16(x, weight, y)
+        if streamed:
+            stream_gemm.stream_gemm(x, weight, y, self.num_sms)
+        else:
+            self.blas.gemm_bf16(x, weight, y)
         if bias is not None:
             if n % 8 or bias.shape != (n,):
                 raise BackendError(f"cuda linear: bias shape {bias.shape} for {n} outputs (n % 8 == 0 needed)")

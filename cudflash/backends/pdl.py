@@ -62,9 +62,11 @@ def available() -> bool:
     return ENABLED and _driver() is not None
 
 
-def _ctype(arg: object) -> ctypes._SimpleCData:
+def _ctype(arg: object) -> ctypes._SimpleCData | ctypes.Structure:
     if isinstance(arg, cupy.ndarray):
         return ctypes.c_void_p(arg.data.ptr)
+    if isinstance(arg, ctypes.Structure):  # passed by value (a CUtensorMap)
+        return arg
     conv = _SCALARS.get(type(arg))
     if conv is None:
         raise BackendError(f"pdl launch: kernel argument of type {type(arg).__name__} (pass cupy arrays and "
@@ -73,8 +75,9 @@ def _ctype(arg: object) -> ctypes._SimpleCData:
 
 
 def launch(kernel: cupy.RawKernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int,
-           stream: cupy.cuda.Stream) -> None:
-    """kernel<<<grid, block, shared_mem, stream>>>(*args), allowed to overlap the previous kernel's tail."""
+           stream: cupy.cuda.Stream, programmatic: bool = True) -> None:
+    """kernel<<<grid, block, shared_mem, stream>>>(*args), allowed to overlap the previous kernel's tail if
+    `programmatic` (else a plain launch, for arguments CuPy cannot pass: structures by value)."""
     launch_ex, error_name = _driver()
     values = [_ctype(a) for a in args]  # alive until the call returns; the driver copies them
     params = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
@@ -82,7 +85,7 @@ def launch(kernel: cupy.RawKernel, grid: tuple[int, ...], block: tuple[int, ...]
     attr.value[0] = 1  # programmaticStreamSerializationAllowed
     g, b = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
     config = _LaunchConfig((ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b), shared_mem, stream.ptr,
-                           ctypes.pointer(attr), 1)
+                           ctypes.pointer(attr), 1 if programmatic else 0)
     status = launch_ex(ctypes.byref(config), kernel.kernel.ptr, params, None)
     if status != 0:
         text = ctypes.c_char_p()

@@ -1,0 +1,151 @@
+"""The weight-streaming GEMM of decode, verify and propose: y[M, N] = x[M, K] @ w[N, K].T for M <= 16
+(kernels/stream_gemm.cu).
+
+At a few rows a bf16 GEMM reads its weight once and does little else. cuBLAS's kernels for it cannot be launched
+with programmatic dependent launch (they never wait on the grid dependency: given a programmatic edge they read
+stale inputs, measured), so inside a captured step each one starts only after the kernel in front has drained,
+and the latency-bound kernels between GEMMs (norms, RoPE, attention) leave HBM idle. This kernel is launched
+with PDL: its CTAs sit resident behind those kernels and fill a shared-memory ring with their weight tiles
+before waiting for x. The tiles come in by TMA (tensor maps encoded here through the driver), a few large
+copies per stage: row-by-row bulk copies of the same bytes measured 3x slower than cuBLAS, bound by the copy
+count.
+
+The launch plan (`plan_for`) depends on (N, K) and the device alone, never on M, so every output row's float32
+summation order is the same at any M: a verify pass computes the bits of the decode passes of its rows.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from dataclasses import dataclass
+
+import cupy
+
+from cudflash.backends import kernel_loader, pdl
+from cudflash.backends.cuda_util import i32
+from cudflash.errors import BackendError
+
+ENABLED = True  # A/B measurements switch it off to compare against cuBLAS
+MAX_ROWS = 16  # two token tiles of 8
+KT = 256  # K columns per ring stage: 64 per compute warp, four k16 MMA steps
+BOX_K = 64  # K columns per TMA box: 128 bytes, the span of the 128-byte swizzle
+MIN_WEIGHT_BYTES = 8 << 20  # below this a GEMM is launch bound either way, and the tiny pair's goldens keep cuBLAS
+# Shared memory per CTA, all of it requested: more than half an SM's 228 KiB, so two of these CTAs never share an
+# SM (a kernel launched early under PDL would otherwise pile its CTAs onto the SMs free at that moment and stream
+# at half speed there), while one attention CTA (70 KiB) still fits beside one.
+SMEM_BUDGET = 116 << 10
+PROGRAMMATIC = True  # launched with PDL inside a captured step (A/B switch)
+COMPUTE_WARPS = 4  # SG_COMPUTE_WARPS in stream_gemm.cu
+THREADS = 32 * (COMPUTE_WARPS + 1)
+_Y = {"float32": "float", "bfloat16": "bf16", "uint16": "bf16"}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One launch: row blocks of 16 t weight rows, `grid` CTAs taking blocks round robin, a ring of `stages`."""
+
+    t: int  # 16-row tiles per block (1..4)
+    grid: int
+    stages: int
+
+    @staticmethod
+    def stage_bytes(t: int) -> int:
+        return KT // BOX_K * (16 * t + 16) * BOX_K * 2  # weight boxes + x boxes
+
+    @staticmethod
+    def fixed_bytes(t: int) -> int:
+        """Everything but the ring: alignment slack, the partials red[3][t][2][4][32] float32, the barriers."""
+        return 1024 + (COMPUTE_WARPS - 1) * t * 2 * 4 * 32 * 4 + 16 * 16
+
+
+@functools.cache
+def plan_for(n: int, k: int, num_sms: int) -> Plan:
+    """Row blocks sized so the CTAs' work is even: of t = 4..1, the one whose rounds of num_sms blocks waste the
+    fewest SM slots (ties go to larger blocks, which share each x tile across more weight rows)."""
+    tiles = math.ceil(n / 16)
+
+    def waste(t: int) -> float:
+        blocks = math.ceil(tiles / t)
+        return math.ceil(blocks / num_sms) * num_sms * t / tiles
+
+    t = min((4, 3, 2, 1), key=waste)
+    blocks = math.ceil(tiles / t)
+    rounds = math.ceil(blocks / num_sms)
+    stages = min(16, (SMEM_BUDGET - Plan.fixed_bytes(t)) // Plan.stage_bytes(t))
+    return Plan(t=t, grid=math.ceil(blocks / rounds), stages=max(2, stages))
+
+
+@functools.cache
+def available() -> bool:
+    """TMA and mbarrier transaction counts need Hopper (sm_90) or later, and the driver's tensor-map encoder."""
+    return int(cupy.cuda.Device().compute_capability) >= 90 and pdl._driver() is not None and _encoder() is not None
+
+
+def usable(m: int, n: int, k: int, nbytes: int) -> bool:
+    """Whether CudaBackend.linear takes this kernel for x [m, k] @ w [n, k].T. Never a function of m within
+    1..MAX_ROWS: a weight must take one path for decode and verify alike, or their rows would differ."""
+    return ENABLED and 1 <= m <= MAX_ROWS and k % KT == 0 and nbytes >= MIN_WEIGHT_BYTES and available()
+
+
+class TensorMap(ctypes.Structure):  # CUtensorMap: 128 opaque bytes, passed to the kernel by value
+    _fields_ = [("words", ctypes.c_uint64 * 16)]
+
+
+@functools.cache
+def _encoder():
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    except (OSError, AttributeError):
+        return None
+    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+    fn.argtypes = [ctypes.POINTER(TensorMap), ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_BF16, _SWIZZLE_128B, _L2_256B = 9, 3, 3  # CUtensorMapDataType, CUtensorMapSwizzle, CUtensorMapL2promotion
+
+
+@functools.lru_cache(maxsize=4096)
+def tensor_map(ptr: int, rows: int, cols: int, row_stride: int, box_rows: int) -> TensorMap:
+    """A bf16 [rows, cols] matrix (row stride in elements) read in boxes of [box_rows, BOX_K], 128-byte swizzled;
+    boxes past the last row are filled with zeros. Keyed by address and shape, so a weight's map is built once."""
+    out = TensorMap()
+    dims = (ctypes.c_uint64 * 2)(cols, rows)
+    strides = (ctypes.c_uint64 * 1)(row_stride * 2)
+    box = (ctypes.c_uint32 * 2)(BOX_K, box_rows)
+    unit = (ctypes.c_uint32 * 2)(1, 1)
+    status = _encoder()(ctypes.byref(out), _BF16, 2, ptr, dims, strides, box, unit, 0, _SWIZZLE_128B, _L2_256B, 0)
+    if status != 0:
+        raise BackendError(f"cuTensorMapEncodeTiled failed ({status}) for [{rows}, {cols}] stride {row_stride}")
+    return out
+
+
+def _names(kt: int) -> tuple[str, ...]:
+    return tuple(f"stream_gemm<{t}, {nt}, {kt}, {y}>" for t in (1, 2, 3, 4) for nt in (1, 2) for y in ("float", "bf16"))
+
+
+_raised: set[tuple[str, int]] = set()
+
+
+def stream_gemm(x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray, num_sms: int) -> None:
+    """y[M, N] = x[M, K] @ w[N, K].T; x bf16 with 16-byte aligned rows, w bf16 contiguous, y bf16 or float32
+    contiguous (the caller, CudaBackend.linear, checks `usable` and the layouts)."""
+    m, k = x.shape
+    n = w.shape[0]
+    plan = plan_for(n, k, num_sms)
+    nt = 1 if m <= 8 else 2
+    name = f"stream_gemm<{plan.t}, {nt}, {KT}, {_Y[y.dtype.name]}>"
+    kern = kernel_loader.function("stream_gemm", name, _names(KT)).raw
+    smem = max(SMEM_BUDGET, plan.fixed_bytes(plan.t) + plan.stages * plan.stage_bytes(plan.t))
+    if (name, smem) not in _raised:
+        kern.max_dynamic_shared_size_bytes = smem
+        _raised.add((name, smem))
+    ldx = x.strides[0] // x.itemsize if m > 1 else k
+    wmap = tensor_map(w.data.ptr, n, k, k, 16 * plan.t)
+    xmap = tensor_map(x.data.ptr, m, k, ldx, 16)
+    stream = cupy.cuda.get_current_stream()
+    pdl.launch(kern, (plan.grid,), (THREADS,), (wmap, xmap, y, i32(m), i32(n), i32(k), i32(plan.stages)), smem,
+               stream, programmatic=PROGRAMMATIC and stream.is_capturing() and pdl.available())

@@ -1,0 +1,212 @@
+// stream_gemm.cu: y[M, N] = x[M, K] @ w[N, K]^T for a few rows (M <= 16: decode, verify, propose), the weight
+// streamed through a shared-memory ring by bulk asynchronous copies (TMA) that start before the kernel waits for
+// its predecessor.
+//
+// Why: at a few rows a GEMM is a weight stream, and in a captured step the kernels between two GEMMs (norms,
+// RoPE, attention) leave HBM idle. Launched with programmatic dependent launch (pdl.py), this kernel's CTAs are
+// resident while those kernels run and fill their ring with weight tiles before griddepcontrol.wait: the
+// weight does not depend on the predecessor, only x does.
+//
+// Layout: x [M, K] bf16, row stride ldx (elements; 16-byte aligned rows); w [N, K] bf16 contiguous; y [M, N] Y
+// (bf16 or float32) contiguous. K % KT == 0 (the wrapper checks); any N (rows past N are masked).
+// Work: w's rows form blocks of 16 T; CTA b takes blocks b, b + gridDim.x, ... and streams each in K tiles of
+// KT columns. Ring stage: the block's weight tile [16 T][KT] and x's tile [16][KT], each row padded by 16 bytes
+// so that ldmatrix rows fall in distinct banks. Rows of a stage past N or past M are never written: they hold
+// stale values, which reach only their own (masked) outputs, since an MMA output row depends only on its A row
+// and an output column only on its B column.
+// Warps: 0..3 compute, warp 4 copies (lane 0 arms each stage's barrier with the byte count, every lane copies
+// rows). Barriers: full[s] (1 arrival + the bytes), empty[s] (one arrival per compute warp).
+// Compute: swapped mma.m16n8k16: A = 16 weight rows, B = 8 tokens (NT token tiles), so y^T tile = W . x^T.
+// Compute warp c takes columns [c KT/4, (c + 1) KT/4) of every stage for all T row tiles; at the end of a block
+// the four partials are added in the order c = 0, 1, 2, 3 through shared memory. The float32 summation order
+// therefore depends on (K, KT) alone, never on M: row i of y has the same bits whatever the other rows are
+// (a verify row equals the decode of that token alone).
+#include "common.cuh"
+
+#define SG_COMPUTE_WARPS 4
+#define SG_THREADS (32 * (SG_COMPUTE_WARPS + 1))
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    unsigned done;
+    do {
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+// A box of a 2-D tensor map (a CUtensorMap, 128 bytes) at coordinates (c0 innermost, c1) into shared dst
+// (1024-byte aligned for the 128-byte swizzle), counted on barrier bar.
+struct __align__(64) TensorMap { unsigned long long words[16]; };
+__device__ __forceinline__ void tma_load(unsigned dst, const TensorMap& map, int c0, int c1, unsigned bar,
+                                         unsigned long long policy) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint "
+                 "[%0], [%1, {%2, %3}], [%4], %5;"
+                 ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(bar), "l"(policy)
+                 : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x2(unsigned addr, unsigned& r0, unsigned& r1) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(addr));
+}
+__device__ __forceinline__ void mma16816(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void store_y(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store_y(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
+
+// Dynamic shared memory (from the first 1024-byte boundary): stages of [KT / 64 weight boxes of 16 T x 64]
+// [KT / 64 x boxes of 16 x 64] bf16, each box rows of 128 bytes in the 128-byte swizzle (16-byte chunk j of row r
+// sits at chunk j ^ (r % 8): ldmatrix's eight rows hit eight different banks); then the partials
+// red[3][T][NT][4][32] float32; then full[stages] and empty[stages]. stream_gemm.py computes the same size.
+template <int T, int NT, int KT, typename Y>
+__global__ void __launch_bounds__(SG_THREADS)
+stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap, Y* __restrict__ y,
+            int M, int N, int K, int stages) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    constexpr int BOXES = KT / 64;
+    constexpr int WBOX = 16 * T * 128, XBOX = 16 * 128;  // bytes
+    constexpr int STAGE = BOXES * (WBOX + XBOX);
+    constexpr int NACC = T * NT * 4;  // accumulators per lane
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const unsigned raw = smem_addr(smem_raw);
+    const unsigned ring = (raw + 1023) & ~1023u;
+    unsigned char* smem = smem_raw + (ring - raw);
+    float* red = reinterpret_cast<float*>(smem + (size_t)stages * STAGE);  // [3][NACC][32]
+    const unsigned full0 = smem_addr(red + 3 * NACC * 32), empty0 = full0 + 8 * stages;
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int nblocks = (N + 16 * T - 1) / (16 * T);
+    const int ktiles = K / KT;
+    const int my_blocks = blockIdx.x < nblocks ? (nblocks - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+    const int total = my_blocks * ktiles;  // ring tiles this CTA streams, in (block, k tile) order
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < stages; ++s) {
+            mbar_init(full0 + 8 * s, 1);
+            mbar_init(empty0 + 8 * s, SG_COMPUTE_WARPS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp == SG_COMPUTE_WARPS) {  // ------------------------------------------------------------ copy warp
+        if (lane != 0) return;
+        unsigned long long evict_first, evict_last;  // the weight is read once per step; x by every CTA
+        asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(evict_first));
+        asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(evict_last));
+        auto copy_w = [&](int i) {
+            const int s = i % stages, row0 = (blockIdx.x + (i / ktiles) * gridDim.x) * 16 * T, k0 = (i % ktiles) * KT;
+            mbar_expect_tx(full0 + 8 * s, STAGE);
+#pragma unroll
+            for (int b = 0; b < BOXES; ++b)
+                tma_load(ring + s * STAGE + b * WBOX, wmap, k0 + 64 * b, row0, full0 + 8 * s, evict_first);
+        };
+        auto copy_x = [&](int i) {
+            const int s = i % stages, k0 = (i % ktiles) * KT;
+#pragma unroll
+            for (int b = 0; b < BOXES; ++b)
+                tma_load(ring + s * STAGE + BOXES * WBOX + b * XBOX, xmap, k0 + 64 * b, 0, full0 + 8 * s, evict_last);
+        };
+        const int ahead = min(stages, total);
+        for (int i = 0; i < ahead; ++i) copy_w(i);  // before the wait: overlaps the kernels in front
+        asm volatile("griddepcontrol.wait;" ::: "memory");
+        for (int i = 0; i < ahead; ++i) copy_x(i);
+        for (int i = ahead; i < total; ++i) {
+            mbar_wait(empty0 + 8 * (i % stages), ((i / stages) - 1) & 1);
+            copy_w(i);
+            copy_x(i);
+        }
+        return;
+    }
+
+    // ---------------------------------------------------------------------------------------- compute warps
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // y may be memory the predecessor still reads
+    float acc[T][NT][4];
+    auto zero = [&]() {
+#pragma unroll
+        for (int t = 0; t < T; ++t)
+#pragma unroll
+            for (int n = 0; n < NT; ++n) acc[t][n][0] = acc[t][n][1] = acc[t][n][2] = acc[t][n][3] = 0.f;
+    };
+    zero();
+    // ldmatrix rows: A lane -> weight row (lane & 15) of a 16-row tile, 8 columns further for lanes >= 16; B lane
+    // -> token (lane & 7) + 8 (lane >= 16), 8 columns further for lanes 8..15 and 24..31. Rows are 128 bytes and
+    // every tile starts at a multiple of 8 rows, so the swizzle key of a lane is lane & 7.
+    const unsigned a_row = (lane & 15) * 128, a_half = lane >> 4;
+    const unsigned b_row = ((lane & 7) + ((lane >> 4) << 3)) * 128, b_half = (lane >> 3) & 1;
+    const unsigned key = lane & 7;
+    const int g = lane >> 2, c = lane & 3;
+
+    for (int i = 0; i < total; ++i) {
+        const int s = i % stages;
+        mbar_wait(full0 + 8 * s, (i / stages) & 1);
+        const unsigned base = ring + s * STAGE;
+#pragma unroll
+        for (int kk = 0; kk < KT / SG_COMPUTE_WARPS; kk += 16) {
+            const int k0 = warp * (KT / SG_COMPUTE_WARPS) + kk;  // stage column of this MMA step
+            const unsigned box = k0 / 64, chunk = (k0 % 64) / 8;
+            unsigned b[NT][2];
+            const unsigned xa = base + BOXES * WBOX + box * XBOX + b_row + (((chunk + b_half) ^ key) << 4);
+            if (NT == 2) ldmatrix_x4(xa, b[0][0], b[0][1], b[NT - 1][0], b[NT - 1][1]);
+            else ldmatrix_x2(xa, b[0][0], b[0][1]);
+            const unsigned wa = base + box * WBOX + a_row + (((chunk + a_half) ^ key) << 4);
+#pragma unroll
+            for (int t = 0; t < T; ++t) {
+                unsigned a0, a1, a2, a3;
+                ldmatrix_x4(wa + t * 16 * 128, a0, a1, a2, a3);
+#pragma unroll
+                for (int n = 0; n < NT; ++n) mma16816(acc[t][n], a0, a1, a2, a3, b[n][0], b[n][1]);
+            }
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty0 + 8 * s);
+
+        if ((i + 1) % ktiles) continue;
+        // End of a row block: add the four warps' partials in a fixed order and write the outputs.
+        float* mine = &acc[0][0][0];
+        if (warp > 0) {
+#pragma unroll
+            for (int r = 0; r < NACC; ++r) red[((warp - 1) * NACC + r) * 32 + lane] = mine[r];
+        }
+        asm volatile("bar.sync 1, %0;" ::"n"(32 * SG_COMPUTE_WARPS) : "memory");
+        if (warp == 0) {
+            for (int p = 0; p < SG_COMPUTE_WARPS - 1; ++p) {
+#pragma unroll
+                for (int r = 0; r < NACC; ++r) mine[r] += red[(p * NACC + r) * 32 + lane];
+            }
+            const int row0 = (blockIdx.x + (i / ktiles) * gridDim.x) * 16 * T;
+#pragma unroll
+            for (int t = 0; t < T; ++t)
+#pragma unroll
+                for (int n = 0; n < NT; ++n)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        const int m = 8 * n + 2 * c + (r & 1);
+                        const int f = row0 + 16 * t + g + 8 * (r >> 1);
+                        if (m < M && f < N) store_y(y + (long long)m * N + f, acc[t][n][r]);
+                    }
+        }
+        asm volatile("bar.sync 1, %0;" ::"n"(32 * SG_COMPUTE_WARPS) : "memory");  // red is free again
+        zero();
+    }
+#endif
+}

@@ -1,0 +1,91 @@
+"""The weight-streaming GEMM (kernels/stream_gemm.cu) against numpy, its row invariance, and its launch inside a
+captured graph behind a kernel that writes its input (programmatic dependent launch: the weight is read before
+griddepcontrol.wait, x only after it)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+
+from cudflash.backends import stream_gemm as sg  # noqa: E402
+from cudflash.backends.cuda_util import bits  # noqa: E402
+
+from .test_ops import NAN_BITS, check, rnd  # noqa: E402
+
+# (N, K): blocks of 1..4 row tiles, a partial last block (N % 16 != 0 and N % (16 t) != 0), several rounds of
+# blocks per CTA (N = 24576 with t = 4), the longest K of Qwen3-8B's down_proj.
+SHAPES = [(1000, 512), (4096, 1024), (6144, 512), (24576, 256), (296, 4096), (4096, 12288)]
+
+
+def skip_without_tma():
+    if not sg.available():
+        pytest.skip("needs sm_90 and the driver's tensor-map encoder")
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 16])
+def test_stream_gemm_matches_numpy(cb, rng, n, k, m):
+    skip_without_tma()
+    wide = rnd(rng, m, k + 64)  # x row-strided, as a column slice of a wider activation
+    x, w = wide[:, 64:], rnd(rng, n, k, scale=k ** -0.5)
+    dx = cb.asarray(wide, "act")[:, 64:]
+    dw = cb.asarray(w, "act")
+    for dtype in (cp.float32, cb.act):
+        y = cp.empty((m, n), dtype=dtype)
+        bits(y)[...] = NAN_BITS  # every output must be written
+        sg.stream_gemm(dx, dw, y, cb.num_sms)
+        check(cb.to_numpy(y), x @ w.T, tol=1e-5 if dtype == cp.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("n,k", [(4096, 1024), (6144, 512), (24576, 256)])
+def test_stream_gemm_rows_do_not_depend_on_the_other_rows(cb, rng, n, k):
+    """Row i of a 16-row product has the bits of the 1-row product of x[i] (a verify row == its decode)."""
+    skip_without_tma()
+    x, w = cb.asarray(rnd(rng, 16, k), "act"), cb.asarray(rnd(rng, n, k, scale=k ** -0.5), "act")
+    full = cp.empty((16, n), cp.float32)
+    sg.stream_gemm(x, w, full, cb.num_sms)
+    for rows in ((0, 1), (3, 4), (15, 16), (2, 9), (0, 5)):
+        part = cp.empty((rows[1] - rows[0], n), cp.float32)
+        sg.stream_gemm(x[rows[0]:rows[1]], w, part, cb.num_sms)
+        assert cp.array_equal(part.view(cp.uint32), full[rows[0]:rows[1]].view(cp.uint32)), rows
+
+
+def test_linear_routes_big_weights_through_stream_gemm(cb, rng, monkeypatch):
+    skip_without_tma()
+    calls = []
+    real = sg.stream_gemm
+    monkeypatch.setattr(sg, "stream_gemm", lambda *a: calls.append(a[1].shape) or real(*a))
+    k = 1024
+    n_big = sg.MIN_WEIGHT_BYTES // (2 * k)  # exactly the smallest weight it takes
+    big, small = rnd(rng, n_big, k, scale=k ** -0.5), rnd(rng, 512, k, scale=k ** -0.5)
+    for m in (1, 16, 17):
+        x = rnd(rng, m, k)
+        check(cb.to_numpy(cb.linear(cb.asarray(x, "act"), cb.asarray(big, "act"), out_f32=True)), x @ big.T, 1e-5)
+        cb.linear(cb.asarray(x, "act"), cb.asarray(small, "act"))
+    assert calls == [(n_big, k), (n_big, k)]  # m = 1 and 16; m = 17 and the small weight stay on cuBLAS
+
+
+def test_stream_gemm_in_a_graph_reads_x_after_its_producer(cb, rng):
+    """x is written by the kernel right before the GEMM in the graph: a read before griddepcontrol.wait would see
+    the previous replay's x."""
+    skip_without_tma()
+    m, n, k = 16, 6144, 2048
+    w_host = rnd(rng, n, k, scale=k ** -0.5)
+    w = cb.asarray(w_host, "act")
+    src = cb.asarray(rnd(rng, m, k), "act")
+    cb.synchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        cb.linear(cb.add(src, src), w, out_f32=True)
+        stream.synchronize()
+        stream.begin_capture()
+        y = cb.linear(cb.add(src, src), w, out_f32=True)
+        graph = stream.end_capture()
+        for _ in range(3):
+            new = rnd(rng, m, k)
+            bits(src)[...] = bits(cb.asarray(new, "act"))
+            bits(y)[...] = NAN_BITS
+            graph.launch(stream)
+            stream.synchronize()
+            check(cb.to_numpy(y), (2 * new) @ w_host.T, tol=1e-5)
