@@ -78,7 +78,11 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
          const int* __restrict__ block_tables, int max_blocks, int block_size, int Hq, int Hk, float scale,
          int causal, int window, int nsplit, int split_tiles, int T, bf16* __restrict__ out,
          float* __restrict__ o_part, float* __restrict__ lse_part) {
-    pdl_entry();
+    // Programmatic dependent launch, split in two: the metadata (staged before the step's first kernel) and the
+    // K/V of keys before the first query position (written by earlier steps, never by this forward) may be read
+    // before griddepcontrol.wait; q and the new tokens' K/V (the kernel in front writes them) only after it.
+    // Launched early, the CTA then has its first K/V tiles in flight while the GEMM in front still streams.
+    pdl_launch_dependents();
     static_assert(WM * WN == 4, "4 warps");
     constexpr int BN = ATTN_BN;
     constexpr int BM = 16 * WM;
@@ -99,7 +103,10 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
     const int qlen = cu_seqlens[s + 1] - q0;
     const int R = qlen * G;  // packed rows of this (sequence, kv head)
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;
-    if (m0 >= R) return;
+    if (m0 >= R) {
+        pdl_wait();  // a CTA leaves only once the kernel in front is done (its successor relies on that order)
+        return;
+    }
     const int ctx = context_lens[s];
     const int pos0 = ctx - qlen;
     const int p_lo = pos0 + m0 / G;                    // first and last query positions in this tile
@@ -149,6 +156,10 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
     float m_r[2] = {-CF_INF, -CF_INF};  // running max of this thread's two rows (log2 domain)
     float l_r[2] = {0.f, 0.f};          // running sum, partial over this thread's columns
 
+    // The leading tiles (at most the two buffers) that hold old keys only are requested before the wait.
+    const int pre = min(2, max(0, min(t_end, pos0 / BN) - t_beg));
+    for (int i = 0; i < pre; ++i) load_kv(t_beg + i, i);
+    pdl_wait();
     if (t_beg < t_end) {
         for (int idx = tid; idx < BM * CPR; idx += ATTN_THREADS) {
             const int row = idx / CPR, ch = idx % CPR;
@@ -158,13 +169,13 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
             if (ok) src = q + (long long)(q0 + r / G) * sq + (kvh * G + r % G) * D + ch * 8;
             cp_async16(sQ + swz<D>(row, ch), src, ok);
         }
-        load_kv(t_beg, 0);
+        if (pre == 0) load_kv(t_beg, 0);
     }
     cp_async_commit();
 
     for (int tile = t_beg; tile < t_end; ++tile) {
         const int buf = (tile - t_beg) & 1;
-        if (tile + 1 < t_end) load_kv(tile + 1, buf ^ 1);
+        if (tile + 1 < t_end && tile + 1 - t_beg >= pre) load_kv(tile + 1, buf ^ 1);
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();

@@ -51,11 +51,21 @@ __device__ __forceinline__ void store8(float* row, int c, const float* f) {
 // let the next kernel in the stream launch (its CTAs take SMs as ours leave), then wait until the previous
 // kernel has finished and its writes are visible. Nothing may read a predecessor's output before this.
 // Both are no-ops for a kernel launched without the attribute, and compiled out before sm_90.
-__device__ __forceinline__ void pdl_entry() {
+// A kernel that has work independent of its predecessor (weights, old K/V) calls the two halves itself and does
+// that work in between; every CTA must still reach pdl_wait() before it exits.
+__device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+}
+__device__ __forceinline__ void pdl_entry() {
+    pdl_launch_dependents();
+    pdl_wait();
 }
 
 // Two floats -> one 32-bit register of two bf16 (the lower index in the low half), the mma operand format.
