@@ -16,9 +16,16 @@ template <int VPT, bool ADD, typename X, typename RES>
 __global__ void rms_norm(const X* __restrict__ x, long long sx, const RES* __restrict__ res, long long sr,
                          const bf16* __restrict__ w, bf16* __restrict__ out, float* __restrict__ res_out,
                          int H, float eps) {
-    pdl_entry();
+    pdl_launch_dependents();
     const long long t = blockIdx.x;
     const int nvec = H >> 3;
+    uint4 wv[VPT];  // the norm weight is no kernel's output: its loads go out before the wait
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        if (c < nvec) wv[i] = reinterpret_cast<const uint4*>(w)[c];
+    }
+    pdl_wait();
     float v[VPT][8];
     float ss = 0.f;
 #pragma unroll
@@ -43,7 +50,7 @@ __global__ void rms_norm(const X* __restrict__ x, long long sx, const RES* __res
         const int c = threadIdx.x + i * blockDim.x;
         if (c < nvec) {
             float wf[8], o[8];
-            unpack8(reinterpret_cast<const uint4*>(w)[c], wf);
+            unpack8(wv[i], wf);
 #pragma unroll
             for (int e = 0; e < 8; ++e) o[e] = wf[e] * (v[i][e] * scale);
             reinterpret_cast<uint4*>(out + t * H)[c] = pack8(o);

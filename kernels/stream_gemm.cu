@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(SG_THREADS)
 stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap, Y* __restrict__ y,
             int M, int N, int K, int stages) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    pdl_launch_dependents();
     constexpr int BOXES = KT / 64;
     constexpr int WBOX = 16 * T * 128, XBOX = 16 * 128;  // bytes
     constexpr int STAGE = BOXES * (WBOX + XBOX);
@@ -128,7 +128,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
         };
         const int ahead = min(stages, total);
         for (int i = 0; i < ahead; ++i) copy_w(i);  // before the wait: overlaps the kernels in front
-        asm volatile("griddepcontrol.wait;" ::: "memory");
+        pdl_wait();
         for (int i = 0; i < ahead; ++i) copy_x(i);
         for (int i = ahead; i < total; ++i) {
             mbar_wait(empty0 + 8 * (i % stages), ((i / stages) - 1) & 1);
@@ -139,7 +139,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     }
 
     // ---------------------------------------------------------------------------------------- compute warps
-    asm volatile("griddepcontrol.wait;" ::: "memory");  // y may be memory the predecessor still reads
+    pdl_wait();  // y may be memory the predecessor still reads
     float acc[T][NT][4];
     auto zero = [&]() {
 #pragma unroll
