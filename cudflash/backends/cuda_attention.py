@@ -111,14 +111,16 @@ def context_bucket(n: int) -> int:
 
 def choose_splits(base_ctas: int, max_context: int, slots: int) -> int:
     """How many CTAs share one key range: fill the resident slots once (a second, mostly idle wave costs more
-    than it saves), each split keeping at least 2 K/V tiles.
+    than it saves), each split keeping at least one K/V tile. (Since attention asks for its old-key tiles before
+    waiting on the kernel in front, a split of one or two tiles has all its K/V in flight before q exists: at
+    batch 1, 1024-key bucket, 16 one-tile splits measured 4.58 ms per Qwen3-8B verify against 4.68 for 8.)
 
     Callers pass the bucketed batch and context (batch_bucket, context_bucket), as a CUDA graph captured for
     that bucket must: eager and graphed execution then split alike and round alike."""
     ktiles = cdiv(max_context, BN)
     if base_ctas * 2 > slots or ktiles < 4:
         return 1
-    return max(1, min(slots // base_ctas, ktiles // 2, MAX_SPLITS))
+    return max(1, min(slots // base_ctas, ktiles, MAX_SPLITS))
 
 
 def attention(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, meta: AttentionMeta, scale: float,
