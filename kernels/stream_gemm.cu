@@ -8,19 +8,20 @@
 // weight does not depend on the predecessor, only x does.
 //
 // Layout: x [M, K] bf16, row stride ldx (elements; 16-byte aligned rows); w [N, K] bf16 contiguous; y [M, N] Y
-// (bf16 or float32) contiguous. K % KT == 0 (the wrapper checks); any N (rows past N are masked).
+// (bf16 or float32) contiguous. K % KT == 0 (the wrapper checks); any N. Both operands come through 2-D tensor
+// maps (stream_gemm.py): w in boxes of [16 T rows][64 columns], x in boxes of [16 rows][64 columns]; rows past N
+// or past M are filled with zeros by the copy engine, and only reach their own (masked) outputs anyway.
 // Work: w's rows form blocks of 16 T; CTA b takes blocks b, b + gridDim.x, ... and streams each in K tiles of
-// KT columns. Ring stage: the block's weight tile [16 T][KT] and x's tile [16][KT], each row padded by 16 bytes
-// so that ldmatrix rows fall in distinct banks. Rows of a stage past N or past M are never written: they hold
-// stale values, which reach only their own (masked) outputs, since an MMA output row depends only on its A row
-// and an output column only on its B column.
-// Warps: 0..3 compute, warp 4 copies (lane 0 arms each stage's barrier with the byte count, every lane copies
-// rows). Barriers: full[s] (1 arrival + the bytes), empty[s] (one arrival per compute warp).
+// KT columns: one ring stage holds a tile's KT / 64 weight boxes and KT / 64 x boxes (layout below).
+// Warps: 0..3 compute, warp 4 copies (its lane 0 arms a stage's barrier with the byte count and issues the
+// stage's 2 KT / 64 box copies). Barriers: full[s] (1 arrival + the bytes), empty[s] (one per compute warp).
+// Before griddepcontrol.wait the copy warp fills the whole ring with weight boxes; x's boxes follow the wait.
 // Compute: swapped mma.m16n8k16: A = 16 weight rows, B = 8 tokens (NT token tiles), so y^T tile = W . x^T.
 // Compute warp c takes columns [c KT/4, (c + 1) KT/4) of every stage for all T row tiles; at the end of a block
 // the four partials are added in the order c = 0, 1, 2, 3 through shared memory. The float32 summation order
 // therefore depends on (K, KT) alone, never on M: row i of y has the same bits whatever the other rows are
 // (a verify row equals the decode of that token alone).
+// Shared memory per CTA is sized by the wrapper to more than half an SM, so two of these CTAs never share one.
 #include "common.cuh"
 
 #define SG_COMPUTE_WARPS 4

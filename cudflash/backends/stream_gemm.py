@@ -51,7 +51,8 @@ class Plan:
 
     @staticmethod
     def stage_bytes(t: int) -> int:
-        return KT // BOX_K * (16 * t + 16) * BOX_K * 2  # weight boxes + x boxes
+        """One ring stage: KT / BOX_K weight boxes [16 t][BOX_K] and as many x boxes [16][BOX_K], bf16."""
+        return KT // BOX_K * (16 * t + 16) * BOX_K * 2
 
     @staticmethod
     def fixed_bytes(t: int) -> int:
@@ -123,11 +124,8 @@ def tensor_map(ptr: int, rows: int, cols: int, row_stride: int, box_rows: int) -
     return out
 
 
-def _names(kt: int) -> tuple[str, ...]:
-    return tuple(f"stream_gemm<{t}, {nt}, {kt}, {y}>" for t in (1, 2, 3, 4) for nt in (1, 2) for y in ("float", "bf16"))
-
-
-_raised: set[tuple[str, int]] = set()
+_NAMES = tuple(f"stream_gemm<{t}, {nt}, {KT}, {y}>" for t in (1, 2, 3, 4) for nt in (1, 2) for y in ("float", "bf16"))
+_raised: set[tuple[str, int]] = set()  # (kernel, bytes) whose dynamic shared memory limit is raised
 
 
 def stream_gemm(x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray, num_sms: int) -> None:
@@ -138,7 +136,7 @@ def stream_gemm(x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray, num_sms: int)
     plan = plan_for(n, k, num_sms)
     nt = 1 if m <= 8 else 2
     name = f"stream_gemm<{plan.t}, {nt}, {KT}, {_Y[y.dtype.name]}>"
-    kern = kernel_loader.function("stream_gemm", name, _names(KT)).raw
+    kern = kernel_loader.function("stream_gemm", name, _NAMES).raw
     smem = max(SMEM_BUDGET, plan.fixed_bytes(plan.t) + plan.stages * plan.stage_bytes(plan.t))
     if (name, smem) not in _raised:
         kern.max_dynamic_shared_size_bytes = smem
