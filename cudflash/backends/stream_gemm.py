@@ -54,6 +54,10 @@ class Plan:
         """One ring stage: KT / BOX_K weight boxes [16 t][BOX_K] and as many x boxes [16][BOX_K], bf16."""
         return KT // BOX_K * (16 * t + 16) * BOX_K * 2
 
+    def smem(self) -> int:
+        """Dynamic shared memory to request: at least SMEM_BUDGET, which keeps two CTAs off one SM."""
+        return max(SMEM_BUDGET, self.fixed_bytes(self.t) + self.stages * self.stage_bytes(self.t))
+
     @staticmethod
     def fixed_bytes(t: int) -> int:
         """Everything but the ring: alignment slack, the partials red[3][t][2][4][32] float32, the barriers."""
@@ -137,7 +141,7 @@ def stream_gemm(x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray, num_sms: int)
     nt = 1 if m <= 8 else 2
     name = f"stream_gemm<{plan.t}, {nt}, {KT}, {_Y[y.dtype.name]}>"
     kern = kernel_loader.function("stream_gemm", name, _NAMES).raw
-    smem = max(SMEM_BUDGET, plan.fixed_bytes(plan.t) + plan.stages * plan.stage_bytes(plan.t))
+    smem = plan.smem()
     if (name, smem) not in _raised:
         kern.max_dynamic_shared_size_bytes = smem
         _raised.add((name, smem))
