@@ -8,6 +8,8 @@ its target.
   (head fields at the top level, no projector_type) and the nested one (`DSparkDraftModel` or projector_type
   "dspark", head fields inside `dflash_config`). Both DSpark dialects parse to the same `DraftConfig`.
 - A smaller drafter vocabulary (`draft_vocab_size`, remapped through the checkpoint's `d2t` tensor).
+- Sliding-window layers: `layer_types` with `sliding_window`, or `use_swa` with `swa_window_size` (DSpark / MiMo
+  exports, nested or at the top level).
 """
 from __future__ import annotations
 
@@ -203,6 +205,41 @@ def _draft_heads(cfg: dict, dcfg: dict, path: str, kind: str, hidden: int) -> di
     return out
 
 
+def _layer_windows(cfg: dict, dcfg: dict, path: str, num_layers: int) -> list[int]:
+    """Per drafter layer, 0 (full attention) or its sliding window over the context, in tokens: a query at
+    position p sees keys j with p - window < j (HF's flash path runs a window W as W - 1 keys either side).
+
+    Two dialects: `layer_types` with the model's `sliding_window`; or (DSpark / MiMo exports) `use_swa` with
+    `swa_window_size`, which covers the layers `layer_types` marks sliding, or every layer where there is no
+    `layer_types` (as TensorRT-LLM's DSpark loader reads it). A drafter trained with its window loses most of its
+    acceptance without it (seed_lineage.md), so a window that is asked for and cannot be resolved is an error."""
+    swa = None
+    if _nested_bool(dcfg, cfg, ("use_swa",), path, default=False):
+        swa = _nested_int(dcfg, cfg, "swa_window_size", path, default=None, minimum=1)
+        if swa is None:
+            raise ConfigError(f"{path}: 'use_swa' is set but 'swa_window_size' is missing")
+    layer_types = cfg.get("layer_types") or ["sliding_attention" if swa else "full_attention"] * num_layers
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+        n = len(layer_types) if isinstance(layer_types, list) else layer_types
+        raise ConfigError(f"{path}: 'layer_types' has {n} entries, expected {num_layers} (num_hidden_layers)")
+    windows = []
+    for t in layer_types:
+        if t == "full_attention":
+            windows.append(0)
+        elif t != "sliding_attention":
+            raise ConfigError(
+                f"{path}: unknown layer type {t!r} in 'layer_types' (expected full_attention or sliding_attention)"
+            )
+        elif swa is None:
+            windows.append(_int(cfg, "sliding_window", path))
+        else:
+            model_window = _int(cfg, "sliding_window", path, default=None)
+            if model_window is not None and model_window != swa:
+                raise ConfigError(f"{path}: 'swa_window_size' {swa} disagrees with 'sliding_window' {model_window}")
+            windows.append(swa)
+    return windows
+
+
 def load_draft_config(model_dir: str | Path) -> DraftConfig:
     model_dir = Path(model_dir)
     cfg = read_config_json(model_dir)
@@ -236,20 +273,7 @@ def load_draft_config(model_dir: str | Path) -> DraftConfig:
         raise ConfigError(f"{path}: missing field 'dflash_config.mask_token_id'")
     mask = _int({"m": mask}, "m", path, minimum=0, label="dflash_config.mask_token_id")
 
-    layer_types = cfg.get("layer_types") or ["full_attention"] * num_layers
-    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
-        n = len(layer_types) if isinstance(layer_types, list) else layer_types
-        raise ConfigError(f"{path}: 'layer_types' has {n} entries, expected {num_layers} (num_hidden_layers)")
-    windows = []
-    for t in layer_types:
-        if t == "full_attention":
-            windows.append(0)
-        elif t == "sliding_attention":
-            windows.append(_int(cfg, "sliding_window", path))
-        else:
-            raise ConfigError(
-                f"{path}: unknown layer type {t!r} in 'layer_types' (expected full_attention or sliding_attention)"
-            )
+    windows = _layer_windows(cfg, dcfg, path, num_layers)
     dc = DraftConfig(
         path=str(model_dir),
         kind=kind,

@@ -462,6 +462,34 @@ def test_errors_are_cudflash_errors():
     assert r.original_max_position_embeddings == 4096 and math.isclose(r.factor, 2.0)
 
 
+def test_use_swa_dialect_sets_the_windows(tmp_path):
+    """DSpark / MiMo exports: `use_swa` + `swa_window_size` (nested or top level) window the sliding layers, or
+    every layer without `layer_types`; a window the checkpoint asks for is never dropped silently."""
+    cfg = zlab_qwen3_4b_drafter()
+    cfg["dflash_config"].update(use_swa=True, swa_window_size=1024)
+    assert load_draft_config(write_cfg(tmp_path / "f", cfg)).layer_windows == [0] * 5  # layers all declared full
+    del cfg["layer_types"]
+    assert load_draft_config(write_cfg(tmp_path / "a", cfg)).layer_windows == [1024] * 5
+    cfg["layer_types"] = ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]
+    assert load_draft_config(write_cfg(tmp_path / "b", cfg)).layer_windows == [1024, 0, 1024, 0, 1024]
+    cfg["sliding_window"] = 1024  # the model field may repeat the window
+    assert load_draft_config(write_cfg(tmp_path / "c", cfg)).layer_windows == [1024, 0, 1024, 0, 1024]
+    cfg["sliding_window"] = 2048
+    draft_error(tmp_path, cfg, "swa_window_size", "1024", "sliding_window", "2048")
+    del cfg["sliding_window"], cfg["dflash_config"]["swa_window_size"]
+    draft_error(tmp_path, cfg, "use_swa", "swa_window_size")
+    cfg["dflash_config"].update(use_swa=False, swa_window_size=1024)  # declared but switched off
+    del cfg["layer_types"]
+    assert load_draft_config(write_cfg(tmp_path / "d", cfg)).layer_windows == [0] * 5
+    cfg["dflash_config"]["use_swa"] = "yes"
+    draft_error(tmp_path, cfg, "use_swa")
+    del cfg["dflash_config"]["use_swa"], cfg["dflash_config"]["swa_window_size"]
+    cfg.update(use_swa=True, swa_window_size=0)  # top level, as DeepSpec-native configs keep their fields
+    draft_error(tmp_path, cfg, "swa_window_size", ">= 1")
+    cfg["swa_window_size"] = 512
+    assert load_draft_config(write_cfg(tmp_path / "e", cfg)).layer_windows == [512] * 5
+
+
 # ------------------------------------------------------------------- DFlash2 / DSpark dialects
 
 def zlab_dflash2_27b() -> dict:
