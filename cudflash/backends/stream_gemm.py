@@ -81,10 +81,20 @@ def plan_for(n: int, k: int, num_sms: int) -> Plan:
     return Plan(t=t, grid=math.ceil(blocks / rounds), stages=max(2, stages))
 
 
+_SMEM_PER_SM, _SMEM_PER_BLOCK_OPTIN = 81, 97  # cudaDeviceAttr values
+
+
 @functools.cache
 def available() -> bool:
-    """TMA and mbarrier transaction counts need Hopper (sm_90) or later, and the driver's tensor-map encoder."""
-    return int(cupy.cuda.Device().compute_capability) >= 90 and pdl._driver() is not None and _encoder() is not None
+    """TMA and mbarrier transaction counts need Hopper (sm_90) or later, and the driver's tensor-map encoder. The
+    shared-memory request must fit one CTA and exceed half an SM (Hopper and datacenter Blackwell: 228 KiB per SM);
+    a GPU with less (a consumer Blackwell part has about 100 KiB) keeps cuBLAS rather than a layout not measured."""
+    dev = cupy.cuda.Device()
+    if int(dev.compute_capability) < 90 or pdl._driver() is None or _encoder() is None:
+        return False
+    per_sm = cupy.cuda.runtime.deviceGetAttribute(_SMEM_PER_SM, dev.id)
+    per_block = cupy.cuda.runtime.deviceGetAttribute(_SMEM_PER_BLOCK_OPTIN, dev.id)
+    return per_block >= SMEM_BUDGET and 2 * (SMEM_BUDGET + 1024) > per_sm
 
 
 def usable(m: int, n: int, k: int, nbytes: int) -> bool:

@@ -18,6 +18,14 @@ from .test_ops import NAN_BITS, check, rnd  # noqa: E402
 SHAPES = [(1000, 512), (4096, 1024), (6144, 512), (24576, 256), (296, 4096), (4096, 12288)]
 
 
+def test_available_on_hopper():
+    """On sm_90 (H100, H200: 228 KiB per SM) the kernel must be in use: the routing tests below skip elsewhere, so
+    a wrong capability or attribute check would otherwise only show as a slower step."""
+    if int(cp.cuda.Device().compute_capability) != 90:
+        pytest.skip("an sm_90 check")
+    assert sg.available()
+
+
 def skip_without_tma():
     if not sg.available():
         pytest.skip("needs sm_90 and the driver's tensor-map encoder")
