@@ -106,9 +106,11 @@ def gpu_readings() -> dict[str, Any]:
         pynvml.nvmlInit()
         h = pynvml.nvmlDeviceGetHandleByIndex(0)
         mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+        name = pynvml.nvmlDeviceGetName(h)
         return {"power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1000,
                 "sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
-                "memory_used_gib": mem.used / 2**30, "name": pynvml.nvmlDeviceGetName(h)}
+                "memory_used_gib": mem.used / 2**30,
+                "name": name.decode() if isinstance(name, bytes) else name}  # bytes from older bindings
     except Exception:  # no NVML (CPU backend, or the library is missing): report nothing rather than guess
         return {}
 
@@ -199,6 +201,11 @@ def format_table(results: list[BatchResult], copy_gb_s: float | None) -> str:
                      f"{tau:>9} {r.ar_tokens_per_s:>9.1f} {r.spec_tokens_per_s:>10.1f} {r.verify_gb_per_s:>11.1f} {pct}")
     if copy_gb_s:
         lines.append(f"measured device copy bandwidth: {copy_gb_s:.0f} GB/s (read + write)")
+    for r in results:  # NVML, read right after each batch's timed steps
+        g = r.gpu
+        if g:
+            lines.append(f"batch {r.batch}: {g.get('name', 'GPU')} at {g['power_w']:.0f} W, SM clock {g['sm_clock_mhz']} "
+                         f"MHz, {g['memory_used_gib']:.1f} GiB in use")
     if results and not results[0].tau_measured:
         lines.append(f"synthetic weights: spec tok/s is a projection at tau {PROJECTED_TAU} (batch x tau / step time)")
     return "\n".join(lines)

@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+from cudflash.bench import BatchResult, format_table
+
 
 def test_synthetic_bench_writes_consistent_numbers(tmp_path):
     out = tmp_path / "bench.json"
@@ -39,3 +41,16 @@ def test_bench_target_needs_a_drafter(tiny_pair):
     r = subprocess.run([sys.executable, "-m", "cudflash", "bench", "--target", str(tiny_pair / "target")],
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().endswith("cudflash: error: bench --target needs --draft")
+
+
+def test_table_prints_the_nvml_readings_it_writes():
+    """The table carries what the JSON does: power, SM clock and memory in use where NVML answered, and nothing
+    invented where it did not (the CPU backend)."""
+    row = dict(batch=1, prompt_len=512, block=16, prefill_ms=14.2, ar_step_ms=4.63, propose_ms=0.94, verify_ms=4.64,
+               accept_ms=0.0, spec_step_ms=5.58, tau=6.5, tau_measured=False, ar_tokens_per_s=216.0,
+               spec_tokens_per_s=1165.0, verify_gb_per_s=3532.0, propose_gb_per_s=3000.0, ar_gb_per_s=3300.0)
+    gpu = {"power_w": 412.4, "sm_clock_mhz": 1980, "memory_used_gib": 23.46, "name": "NVIDIA H200"}
+    table = format_table([BatchResult(**row, gpu=gpu), BatchResult(**{**row, "batch": 8})], 4250.0)
+    assert "batch 1: NVIDIA H200 at 412 W, SM clock 1980 MHz, 23.5 GiB in use" in table
+    assert "batch 8:" not in table  # no readings, no line
+    assert "measured device copy bandwidth: 4250 GB/s" in table
