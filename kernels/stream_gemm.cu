@@ -22,7 +22,22 @@
 // therefore depends on (K, KT) alone, never on M: row i of y has the same bits whatever the other rows are
 // (a verify row equals the decode of that token alone).
 // Shared memory per CTA is sized by the wrapper to more than half an SM, so two of these CTAs never share one.
+//
+// Epilogues (EPI), which take the RMSNorm between two GEMMs of a layer out of the step (no kernel, no wait):
+//   SG_PLAIN     y = x @ w^T.
+//   SG_ADD_NORM  the producer: r = residual + x @ w^T is the new residual stream (y = r, float32), written with
+//                normed = bf16(norm_w * r) and this CTA's sums of r^2 over its columns, ssq[blockIdx.x][16].
+//   SG_ROW_SCALE the consumer of such a normed: y[m] = s[m] * (x @ w^T)[m], s[m] = rsqrt(sum_p ssq[p][m] / width
+//                + eps), summed over the producer's parts in a fixed order.
+// Together they compute linear(rms_norm(r) * norm_w) with the row scale moved past the GEMM, where it is exact
+// (one rounding of x to bf16 either way). Every sum's order depends on the plans alone: rows stay invariant.
 #include "common.cuh"
+
+#define SG_PLAIN 0
+#define SG_ADD_NORM 1
+#define SG_ROW_SCALE 2
+#define SG_MAX_ROWS 16
+#define SG_MAX_PARTS 256  // producer CTAs an SG_ROW_SCALE consumer can fold (stream_gemm.py checks)
 
 #define SG_COMPUTE_WARPS 4
 #define SG_THREADS (32 * (SG_COMPUTE_WARPS + 1))
@@ -49,6 +64,16 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
 // A box of a 2-D tensor map (a CUtensorMap, 128 bytes) at coordinates (c0 innermost, c1) into shared dst
 // (1024-byte aligned for the 128-byte swizzle), counted on barrier bar.
 struct __align__(64) TensorMap { unsigned long long words[16]; };
+// The epilogue's operands (stream_gemm.py's Epilogue mirrors this layout); unused fields are null / zero.
+struct Epilogue {
+    const float* residual;  // [M, N] float32, row stride N (SG_ADD_NORM)
+    const bf16* norm_w;     // [N] (SG_ADD_NORM)
+    bf16* normed;           // [M, N] bf16 = norm_w * r (SG_ADD_NORM)
+    float* ssq;             // [parts][SG_MAX_ROWS]: written (SG_ADD_NORM, parts = gridDim.x) or read (SG_ROW_SCALE)
+    int parts;              // SG_ROW_SCALE: the producer's CTA count
+    int width;              // SG_ROW_SCALE: the normed row's length (the producer's N)
+    float eps;              // SG_ROW_SCALE
+};
 __device__ __forceinline__ void tma_load(unsigned dst, const TensorMap& map, int c0, int c1, unsigned bar,
                                          unsigned long long policy) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint "
@@ -77,10 +102,10 @@ __device__ __forceinline__ void store_y(bf16* p, float v) { *p = __float2bfloat1
 // [KT / 64 x boxes of 16 x 64] bf16, each box rows of 128 bytes in the 128-byte swizzle (16-byte chunk j of row r
 // sits at chunk j ^ (r % 8): ldmatrix's eight rows hit eight different banks); then the partials
 // red[3][T][NT][4][32] float32; then full[stages] and empty[stages]. stream_gemm.py computes the same size.
-template <int T, int NT, int KT, typename Y>
+template <int T, int NT, int KT, typename Y, int EPI>
 __global__ void __launch_bounds__(SG_THREADS)
 stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap, Y* __restrict__ y,
-            int M, int N, int K, int stages) {
+            int M, int N, int K, int stages, const __grid_constant__ Epilogue epi) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     pdl_launch_dependents();
     constexpr int BOXES = KT / 64;
@@ -141,6 +166,24 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
 
     // ---------------------------------------------------------------------------------------- compute warps
     pdl_wait();  // y may be memory the predecessor still reads
+    __shared__ float row_scale[SG_MAX_ROWS];
+    if constexpr (EPI == SG_ROW_SCALE) {
+        // Thread 8 m + j adds parts j, j + 8, ... of row m (all loads in flight at once: a loop of dependent L2
+        // round trips here would hold back the ring), then the eight lanes of the row fold by xor-shuffles.
+        const int m = threadIdx.x >> 3, j = threadIdx.x & 7;
+        float part[SG_MAX_PARTS / 8];
+#pragma unroll
+        for (int q = 0; q < SG_MAX_PARTS / 8; ++q) {
+            const int p = j + 8 * q;
+            part[q] = m < M && p < epi.parts ? epi.ssq[p * SG_MAX_ROWS + m] : 0.f;
+        }
+        float sum = 0.f;
+#pragma unroll
+        for (int q = 0; q < SG_MAX_PARTS / 8; ++q) sum += part[q];
+#pragma unroll
+        for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (j == 0) row_scale[m] = rsqrtf(sum / (float)epi.width + epi.eps);  // read after the block's bar.sync
+    }
     float acc[T][NT][4];
     auto zero = [&]() {
 #pragma unroll
@@ -156,9 +199,29 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     const unsigned b_row = ((lane & 7) + ((lane >> 4) << 3)) * 128, b_half = (lane >> 3) & 1;
     const unsigned key = lane & 7;
     const int g = lane >> 2, c = lane & 3;
+    // SG_ADD_NORM, warp 0: the block's residual and norm weight, requested when the block starts and used at its
+    // end; the running sums of r^2 of this lane's rows m = 8 n + 2 c + e over all of the CTA's blocks.
+    float res[EPI == SG_ADD_NORM ? T : 1][NT][4], nw[EPI == SG_ADD_NORM ? T : 1][2], ss[NT][2] = {};
 
     for (int i = 0; i < total; ++i) {
         const int s = i % stages;
+        if constexpr (EPI == SG_ADD_NORM) if (warp == 0 && i % ktiles == 0) {
+            const int row0 = (blockIdx.x + (i / ktiles) * gridDim.x) * 16 * T;
+#pragma unroll
+            for (int t = 0; t < T; ++t)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int f = row0 + 16 * t + g + 8 * h;
+                    nw[t][h] = f < N ? __bfloat162float(epi.norm_w[f]) : 0.f;
+#pragma unroll
+                    for (int n = 0; n < NT; ++n)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int m = 8 * n + 2 * c + e;
+                            res[t][n][2 * h + e] = m < M && f < N ? epi.residual[(long long)m * N + f] : 0.f;
+                        }
+                }
+        }
         mbar_wait(full0 + 8 * s, (i / stages) & 1);
         const unsigned base = ring + s * STAGE;
 #pragma unroll
@@ -203,11 +266,38 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                     for (int r = 0; r < 4; ++r) {
                         const int m = 8 * n + 2 * c + (r & 1);
                         const int f = row0 + 16 * t + g + 8 * (r >> 1);
-                        if (m < M && f < N) store_y(y + (long long)m * N + f, acc[t][n][r]);
+                        if (m >= M || f >= N) continue;
+                        float v = acc[t][n][r];
+                        const long long at = (long long)m * N + f;
+                        if constexpr (EPI == SG_ADD_NORM) {
+                            v += res[t][n][r];
+                            epi.normed[at] = __float2bfloat16_rn(nw[t][r >> 1] * v);
+                            ss[n][r & 1] += v * v;
+                        } else if constexpr (EPI == SG_ROW_SCALE) {
+                            v *= row_scale[m];
+                        }
+                        store_y(y + at, v);
                     }
         }
         asm volatile("bar.sync 1, %0;" ::"n"(32 * SG_COMPUTE_WARPS) : "memory");  // red is free again
         zero();
+    }
+    if constexpr (EPI == SG_ADD_NORM) if (warp == 0) {
+        // Fold the eight lanes g = 0..7 that hold the same rows (xor 4, 8, 16), in a fixed order; lanes 0..3 write
+        // rows 8 n + 2 c + e of this CTA's part (zeros for rows past M and for n >= NT: the consumer reads 16).
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+#pragma unroll
+                for (int o = 4; o < 32; o <<= 1) ss[n][e] += __shfl_xor_sync(0xffffffffu, ss[n][e], o);
+        if (g == 0) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                epi.ssq[blockIdx.x * SG_MAX_ROWS + 2 * c + e] = ss[0][e];
+                epi.ssq[blockIdx.x * SG_MAX_ROWS + 8 + 2 * c + e] = NT == 2 ? ss[NT - 1][e] : 0.f;
+            }
+        }
     }
 #endif
 }

@@ -64,6 +64,11 @@ class Backend(Protocol):
     def add_rms_norm(self, x: Any, residual: Any, weight: Any, eps: float) -> tuple[Any, Any]: ...
     def linear(self, x: Any, weight: Any, bias: Any | None = None,
                out_f32: bool = False) -> Any: ...  # x @ weight.T (+ bias); out_f32: float32 output (logits)
+    # add_rms_norm(linear(x, weight, bias), residual, norm_weight, eps) in one op: (normed, new residual). The
+    # normed rows may come in a form that only `linear` reads (the CUDA backend defers their row scale into the
+    # next GEMM), so give them to `linear` and nothing else.
+    def linear_add_rms_norm(self, x: Any, weight: Any, bias: Any | None, residual: Any, norm_weight: Any,
+                            eps: float) -> tuple[Any, Any]: ...
     def silu_mul(self, gate_up: Any) -> Any: ...  # [T, 2I] -> silu(gate) * up, [T, I]
     def add(self, a: Any, b: Any) -> Any: ...
     def head_norm_rope(self, x: Any, head_dim: int, positions: Any, cos: Any, sin: Any,

@@ -235,8 +235,42 @@ class CudaBackend:
             return out.reshape(shape), None
         return out.reshape(shape), res_out.reshape(shape)
 
-    def linear(self, x: cupy.ndarray, weight: cupy.ndarray, bias: cupy.ndarray | None = None,
-               out_f32: bool = False) -> cupy.ndarray:
+    def linear_add_rms_norm(self, x: cupy.ndarray, weight: cupy.ndarray, bias: cupy.ndarray | None,
+                            residual: cupy.ndarray, norm_weight: cupy.ndarray, eps: float):
+        """See base.Backend.linear_add_rms_norm. Where the weight streams (stream_gemm.usable), one launch: the
+        GEMM's epilogue adds the residual and leaves a DeferredNorm for the next GEMM, so no RMSNorm kernel (and
+        no wait on one) sits between the two; else the GEMM and the fused add + RMSNorm kernel."""
+        m, k = as_rows(x).shape
+        n = weight.shape[0]
+        if bias is None and x.dtype == self.act and residual.dtype == cupy.float32 and residual.flags.c_contiguous \
+                and residual.shape == (m, n) and norm_weight.shape == (n,) and weight.flags.c_contiguous \
+                and stream_gemm.fusable(m, n, k, weight.nbytes, self.num_sms):
+            return stream_gemm.add_norm(self._gemm_rows(as_rows(x), True), weight, residual, norm_weight, eps,
+                                        self.num_sms)
+        return self.add_rms_norm(self.linear(x, weight, bias, out_f32=True), residual, norm_weight, eps)
+
+    def _gemm_rows(self, x: cupy.ndarray, streamed: bool) -> cupy.ndarray:
+        """x [M, K] as a GEMM reads it: unit column stride, rows apart by at least K; for the streamed kernel also
+        16-byte aligned rows (it copies them by TMA). A copy where x is not."""
+        m, k = x.shape
+        if x.strides[1] != x.itemsize or (m > 1 and x.strides[0] < k * x.itemsize) or (
+                streamed and (x.data.ptr % 16 or (m > 1 and x.strides[0] % 16))):
+            x = cupy.ascontiguousarray(bits(x)).view(self.act)
+        return x
+
+    def linear(self, x: cupy.ndarray | stream_gemm.DeferredNorm, weight: cupy.ndarray,
+               bias: cupy.ndarray | None = None, out_f32: bool = False) -> cupy.ndarray:
+        if isinstance(x, stream_gemm.DeferredNorm):
+            m, k = x.shape
+            n = weight.shape[0]
+            if weight.dtype == self.act and weight.shape[1] == k and weight.flags.c_contiguous \
+                    and stream_gemm.usable(m, n, k, weight.nbytes):
+                y = cupy.empty((m, n), dtype=cupy.float32 if out_f32 else self.act)
+                stream_gemm.row_scaled(x, weight, y, self.num_sms)
+                return self._add_bias(y, bias)
+            if x.plain is None:
+                x.plain = self.rms_norm(x.residual, x.weight, x.eps)
+            x = x.plain
         x = as_rows(x)
         if x.dtype != self.act or weight.dtype != self.act:
             raise BackendError(f"cuda linear: operands must be bf16, got {x.dtype} and {weight.dtype}")
@@ -245,9 +279,7 @@ class CudaBackend:
         if weight.shape[1] != k:
             raise BackendError(f"cuda linear: x is [{m}, {k}] but weight is {list(weight.shape)}")
         streamed = stream_gemm.usable(m, n, k, weight.nbytes)
-        if x.strides[1] != x.itemsize or (m > 1 and x.strides[0] < k * x.itemsize) or (
-                streamed and (x.data.ptr % 16 or (m > 1 and x.strides[0] % 16))):
-            x = cupy.ascontiguousarray(bits(x)).view(self.act)  # the streamed kernel copies 16-byte aligned rows
+        x = self._gemm_rows(x, streamed)
         if not weight.flags.c_contiguous:
             weight = cupy.ascontiguousarray(bits(weight)).view(self.act)
         y = cupy.empty((m, n), dtype=cupy.float32 if out_f32 else self.act)
@@ -257,6 +289,10 @@ class CudaBackend:
             stream_gemm.stream_gemm(x, weight, y, self.num_sms)
         else:
             self.blas.gemm_bf16(x, weight, y)
+        return self._add_bias(y, bias)
+
+    def _add_bias(self, y: cupy.ndarray, bias: cupy.ndarray | None) -> cupy.ndarray:
+        m, n = y.shape
         if bias is not None:
             if n % 8 or bias.shape != (n,):
                 raise BackendError(f"cuda linear: bias shape {bias.shape} for {n} outputs (n % 8 == 0 needed)")

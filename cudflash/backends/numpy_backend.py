@@ -73,6 +73,10 @@ class NumpyBackend:
         y = x @ weight.T
         return y + bias if bias is not None else y
 
+    def linear_add_rms_norm(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, residual: np.ndarray,
+                            norm_weight: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+        return self.add_rms_norm(self.linear(x, weight, bias), residual, norm_weight, eps)
+
     def silu_mul(self, gate_up: np.ndarray) -> np.ndarray:
         gate, up = np.split(gate_up, 2, axis=-1)
         return gate / (np.float32(1.0) + np.exp(-gate)) * up

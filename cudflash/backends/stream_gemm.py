@@ -12,13 +12,17 @@ count.
 
 The launch plan (`plan_for`) depends on (N, K) and the device alone, never on M, so every output row's float32
 summation order is the same at any M: a verify pass computes the bits of the decode passes of its rows.
+
+Two epilogues remove the RMSNorm launches between a layer's GEMMs (`Epilogue`): the GEMM in front of a norm
+(o_proj, down) adds the residual and writes `norm_w * r` with its partial sums of r^2, and the GEMM after it
+(gate_up, the next qkv) scales its output rows by the rsqrt those sums give. `DeferredNorm` carries the product.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import cupy
 
@@ -28,6 +32,7 @@ from cudflash.errors import BackendError
 
 ENABLED = True  # A/B measurements switch it off to compare against cuBLAS
 MAX_ROWS = 16  # two token tiles of 8
+MAX_PARTS = 256  # SG_MAX_PARTS: producer CTAs whose partial sums of squares a row-scaling GEMM folds
 KT = 256  # K columns per ring stage: 64 per compute warp, four k16 MMA steps
 BOX_K = 64  # K columns per TMA box: 128 bytes, the span of the 128-byte swizzle
 MIN_WEIGHT_BYTES = 8 << 20  # below this a GEMM is launch bound either way, and the tiny pair's goldens keep cuBLAS
@@ -39,6 +44,7 @@ PROGRAMMATIC = True  # launched with PDL inside a captured step (A/B switch)
 COMPUTE_WARPS = 4  # SG_COMPUTE_WARPS in stream_gemm.cu
 THREADS = 32 * (COMPUTE_WARPS + 1)
 _Y = {"float32": "float", "bfloat16": "bf16", "uint16": "bf16"}
+PLAIN, ADD_NORM, ROW_SCALE = 0, 1, 2  # SG_PLAIN, SG_ADD_NORM, SG_ROW_SCALE in stream_gemm.cu
 
 
 @dataclass(frozen=True)
@@ -103,8 +109,36 @@ def usable(m: int, n: int, k: int, nbytes: int) -> bool:
     return ENABLED and 1 <= m <= MAX_ROWS and k % KT == 0 and nbytes >= MIN_WEIGHT_BYTES and available()
 
 
+def fusable(m: int, n: int, k: int, nbytes: int, num_sms: int) -> bool:
+    """Whether x [m, k] @ w [n, k].T can be an SG_ADD_NORM producer: usable, with few enough CTAs to fold."""
+    return usable(m, n, k, nbytes) and plan_for(n, k, num_sms).grid <= MAX_PARTS
+
+
 class TensorMap(ctypes.Structure):  # CUtensorMap: 128 opaque bytes, passed to the kernel by value
     _fields_ = [("words", ctypes.c_uint64 * 16)]
+
+
+class Epilogue(ctypes.Structure):  # struct Epilogue in stream_gemm.cu, passed by value
+    _fields_ = [("residual", ctypes.c_void_p), ("norm_w", ctypes.c_void_p), ("normed", ctypes.c_void_p),
+                ("ssq", ctypes.c_void_p), ("parts", ctypes.c_int), ("width", ctypes.c_int), ("eps", ctypes.c_float)]
+
+
+@dataclass(eq=False)
+class DeferredNorm:
+    """rms_norm(residual) * weight, not yet scaled by its rows' rsqrt: what an SG_ADD_NORM GEMM leaves for the next
+    GEMM, which applies the scale to its output rows (SG_ROW_SCALE). A consumer that cannot do that (another
+    kernel, a small weight) calls `materialize` for the plain normed rows, computed by the RMSNorm kernel."""
+
+    normed: cupy.ndarray  # [M, H] bf16: weight * residual
+    ssq: cupy.ndarray  # [parts, MAX_ROWS] float32: each producer CTA's sums of residual^2 over its columns
+    residual: cupy.ndarray  # [M, H] float32: the residual stream the norm is of
+    weight: cupy.ndarray  # [H] bf16
+    eps: float
+    plain: cupy.ndarray | None = field(default=None, repr=False)  # [M, H] bf16, once materialized
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.normed.shape
 
 
 @functools.cache
@@ -138,18 +172,43 @@ def tensor_map(ptr: int, rows: int, cols: int, row_stride: int, box_rows: int) -
     return out
 
 
-_NAMES = tuple(f"stream_gemm<{t}, {nt}, {KT}, {y}>" for t in (1, 2, 3, 4) for nt in (1, 2) for y in ("float", "bf16"))
+_NAMES = tuple(f"stream_gemm<{t}, {nt}, {KT}, {y}, {e}>" for t in (1, 2, 3, 4) for nt in (1, 2)
+               for y, e in (("float", PLAIN), ("bf16", PLAIN), ("float", ADD_NORM), ("float", ROW_SCALE),
+                            ("bf16", ROW_SCALE)))
 _raised: set[tuple[str, int]] = set()  # (kernel, bytes) whose dynamic shared memory limit is raised
 
 
 def stream_gemm(x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray, num_sms: int) -> None:
     """y[M, N] = x[M, K] @ w[N, K].T; x bf16 with 16-byte aligned rows, w bf16 contiguous, y bf16 or float32
     contiguous (the caller, CudaBackend.linear, checks `usable` and the layouts)."""
+    _launch(x, w, y, num_sms, PLAIN, Epilogue())
+
+
+def add_norm(x: cupy.ndarray, w: cupy.ndarray, residual: cupy.ndarray, norm_w: cupy.ndarray, eps: float,
+             num_sms: int) -> tuple[DeferredNorm, cupy.ndarray]:
+    """(rms_norm(r) * norm_w deferred, r) with r = residual + x @ w.T, float32 [M, N]; residual contiguous float32
+    [M, N], norm_w bf16 [N]."""
+    m, n = x.shape[0], w.shape[0]
+    parts = plan_for(n, w.shape[1], num_sms).grid  # at most MAX_PARTS: the caller checks `fusable`
+    r = cupy.empty((m, n), dtype=cupy.float32)
+    normed = cupy.empty((m, n), dtype=w.dtype)
+    ssq = cupy.empty((parts, MAX_ROWS), dtype=cupy.float32)
+    _launch(x, w, r, num_sms, ADD_NORM, Epilogue(residual.data.ptr, norm_w.data.ptr, normed.data.ptr, ssq.data.ptr))
+    return DeferredNorm(normed, ssq, r, norm_w, eps), r
+
+
+def row_scaled(x: DeferredNorm, w: cupy.ndarray, y: cupy.ndarray, num_sms: int) -> None:
+    """y = rms_norm(x.residual) * x.weight @ w.T, from the deferred form: x.normed @ w.T, rows scaled."""
+    _launch(x.normed, w, y, num_sms, ROW_SCALE,
+            Epilogue(ssq=x.ssq.data.ptr, parts=x.ssq.shape[0], width=x.normed.shape[1], eps=x.eps))
+
+
+def _launch(x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray, num_sms: int, epilogue: int, epi: Epilogue) -> None:
     m, k = x.shape
     n = w.shape[0]
     plan = plan_for(n, k, num_sms)
     nt = 1 if m <= 8 else 2
-    name = f"stream_gemm<{plan.t}, {nt}, {KT}, {_Y[y.dtype.name]}>"
+    name = f"stream_gemm<{plan.t}, {nt}, {KT}, {_Y[y.dtype.name]}, {epilogue}>"
     kern = kernel_loader.function("stream_gemm", name, _NAMES).raw
     smem = plan.smem()
     if (name, smem) not in _raised:
@@ -159,5 +218,5 @@ def stream_gemm(x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray, num_sms: int)
     wmap = tensor_map(w.data.ptr, n, k, k, 16 * plan.t)
     xmap = tensor_map(x.data.ptr, m, k, ldx, 16)
     stream = cupy.cuda.get_current_stream()
-    pdl.launch(kern, (plan.grid,), (THREADS,), (wmap, xmap, y, i32(m), i32(n), i32(k), i32(plan.stages)), smem,
+    pdl.launch(kern, (plan.grid,), (THREADS,), (wmap, xmap, y, i32(m), i32(n), i32(k), i32(plan.stages), epi), smem,
                stream, programmatic=PROGRAMMATIC and stream.is_capturing() and pdl.available())

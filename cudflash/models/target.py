@@ -1,7 +1,8 @@
 """The target transformer (Qwen3, Qwen2, Llama), with taps: the residual stream after chosen layers.
 
-One decoder layer is the usual pre-norm block; the residual add is fused into the next RMSNorm
-(`add_rms_norm`), so the residual stream after layer i is `hidden + residual` at that layer's end.
+One decoder layer is the usual pre-norm block. The residual add and the RMSNorm after it are one op with the GEMM
+in front of them (`linear_add_rms_norm`: o_proj with post_attention_layernorm, down_proj with the next layer's
+input_layernorm), so `residual` after layer i's down_proj is the residual stream after layer i (its tap).
 """
 from __future__ import annotations
 
@@ -72,24 +73,24 @@ class TargetModel:
     def forward(self, batch: ForwardBatch, kv: KVCache, tap_layers: list[int] | None = None) -> tuple[Any, Any | None]:
         """Causal forward over the batch's rows; returns (final-normed hidden [T, H], taps [T, K * H] or None)."""
         b, cfg = self.b, self.cfg
-        hidden, residual = self.embed(batch.ids), None
+        eps, last = cfg.rms_norm_eps, len(self.layers) - 1
+        residual = self.embed(batch.ids)
+        hidden = b.rms_norm(residual, self.layers[0].input_norm, eps)
         taps: dict[int, Any] = {}
         for i, layer in enumerate(self.layers):
-            if residual is None:
-                residual, hidden = hidden, b.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
-            else:
-                hidden, residual = b.add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
             qkv = b.linear(hidden, layer.qkv, layer.qkv_bias, out_f32=True)  # RoPE / store round once
             q = b.rope_store(qkv, cfg.num_heads, batch.positions, self.rope_cos, self.rope_sin, layer.q_norm,
-                             layer.k_norm, cfg.rms_norm_eps, batch.slots, kv.k[i], kv.v[i])
+                             layer.k_norm, eps, batch.slots, kv.k[i], kv.v[i])
             attn = b.attention(q, kv.k[i], kv.v[i], batch.meta, self.scale, causal=True)
-            hidden = b.linear(attn, layer.o_proj, layer.o_bias, out_f32=True)  # feeds the float32 residual
-            hidden, residual = b.add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
-            gate_up = b.linear(hidden, layer.gate_up, out_f32=True)
-            hidden = b.linear(b.silu_mul(gate_up), layer.down, out_f32=True)
+            hidden, residual = b.linear_add_rms_norm(attn, layer.o_proj, layer.o_bias, residual, layer.post_norm, eps)
+            act = b.silu_mul(b.linear(hidden, layer.gate_up, out_f32=True))
+            if i < last:
+                hidden, residual = b.linear_add_rms_norm(act, layer.down, None, residual,
+                                                         self.layers[i + 1].input_norm, eps)
+            else:  # the final norm's rows go to take_rows and the LM head: a plain array
+                hidden, residual = b.add_rms_norm(b.linear(act, layer.down, out_f32=True), residual, self.norm, eps)
             if tap_layers and i in tap_layers:
-                taps[i] = b.add(hidden, residual)
-        hidden, _ = b.add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)
+                taps[i] = b.asarray(residual, "act")  # the residual stream after layer i, rounded to bf16
         if tap_layers:
             return hidden, b.cat([taps[i] for i in tap_layers], axis=1)  # in target_layer_ids order
         return hidden, None

@@ -11,7 +11,9 @@ cp = pytest.importorskip("cupy")
 from cudflash.backends import stream_gemm as sg  # noqa: E402
 from cudflash.backends.cuda_util import bits  # noqa: E402
 
-from .test_ops import NAN_BITS, check, rnd  # noqa: E402
+from cudflash.backends.numpy_backend import NumpyBackend  # noqa: E402
+
+from .test_ops import NAN_BITS, check, poison_pool, rnd  # noqa: E402
 
 # (N, K): blocks of 1..4 row tiles, a partial last block (N % 16 != 0 and N % (16 t) != 0), several rounds of
 # blocks per CTA (N = 24576 with t = 4), the longest K of Qwen3-8B's down_proj.
@@ -112,3 +114,85 @@ def test_plans_cover_the_weight_one_cta_per_sm(n, k):
         assert plan.stages >= 2 and plan.smem() >= plan.fixed_bytes(plan.t) + plan.stages * plan.stage_bytes(plan.t)
         assert 2 * (plan.smem() + 1024) > 228 * 1024  # Hopper: 228 KiB per SM, 1 KiB reserved per CTA
         assert plan.smem() <= 227 * 1024  # the most one CTA may ask for
+
+
+# ------------------------------------------------------------------- the RMSNorm deferred between two GEMMs
+H, K_IN, N_OUT = 2048, 2048, 2048  # every weight exactly MIN_WEIGHT_BYTES: the smallest that streams
+EPS = 1e-6
+
+
+def _norm_pair(cb, rng, m: int):
+    """Host and device operands of linear_add_rms_norm: x [m, K_IN], W [H, K_IN], residual [m, H] float32 (the
+    size of a real residual stream), norm weight [H], and the next GEMM's weight [N_OUT, H]."""
+    host = dict(x=rnd(rng, m, K_IN), w=rnd(rng, H, K_IN, scale=K_IN ** -0.5),
+                res=(rng.standard_normal((m, H)) * 4).astype(np.float32), nw=rnd(rng, H, scale=0.3) + 1,
+                w2=rnd(rng, N_OUT, H, scale=H ** -0.5))
+    dev = {k: cp.asarray(v) if k == "res" else cb.asarray(v, "act") for k, v in host.items()}
+    return host, dev
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_linear_add_rms_norm_defers_the_norm_into_the_next_gemm(cb, rng, m):
+    """o_proj / down_proj add the residual and leave the normed rows unscaled; the next GEMM scales its rows. The
+    product must be rms_norm(residual + x W^T) * norm_w @ W2^T, and the small-weight fallback the same."""
+    skip_without_tma()
+    host, dev = _norm_pair(cb, rng, m)
+    nb = NumpyBackend()
+    ref_normed, ref_r = nb.add_rms_norm(host["x"] @ host["w"].T, host["res"], host["nw"], EPS)
+    poison_pool(16 * H * 4 * 4)
+    normed, r = cb.linear_add_rms_norm(dev["x"], dev["w"], None, dev["res"], dev["nw"], EPS)
+    assert isinstance(normed, sg.DeferredNorm) and normed.ssq.shape[1] == sg.MAX_ROWS
+    check(cb.to_numpy(r), ref_r, tol=1e-5)
+    y = cb.linear(normed, dev["w2"], out_f32=True)
+    check(cb.to_numpy(y), ref_normed @ host["w2"].T, tol=1e-2)
+    assert normed.plain is None  # the streamed consumer never built the plain rows
+    small = host["w2"][:256]  # 1 MiB: cuBLAS, which needs the plain rows
+    y_small = cb.linear(normed, cb.asarray(small, "act"), out_f32=True)
+    assert normed.plain is not None
+    check(cb.to_numpy(y_small), ref_normed @ small.T, tol=1e-2)
+    check(cb.to_numpy(normed.plain), ref_normed, tol=1e-2)
+
+
+def test_deferred_norm_rows_do_not_depend_on_the_other_rows(cb, rng):
+    """A verify row of the fused pair has the bits of the decode of that row alone: the residual, the sums of
+    squares and the scaled product."""
+    skip_without_tma()
+    _, dev = _norm_pair(cb, rng, 16)
+    normed, r = cb.linear_add_rms_norm(dev["x"], dev["w"], None, dev["res"], dev["nw"], EPS)
+    y = cb.linear(normed, dev["w2"], out_f32=True)
+    for lo, hi in ((0, 1), (7, 8), (15, 16), (3, 12)):
+        normed_p, r_p = cb.linear_add_rms_norm(dev["x"][lo:hi], dev["w"], None, cp.ascontiguousarray(dev["res"][lo:hi]),
+                                               dev["nw"], EPS)
+        y_p = cb.linear(normed_p, dev["w2"], out_f32=True)
+        assert cp.array_equal(r_p.view(cp.uint32), r[lo:hi].view(cp.uint32)), (lo, hi)
+        assert cp.array_equal(y_p.view(cp.uint32), y[lo:hi].view(cp.uint32)), (lo, hi)
+
+
+def test_deferred_norm_in_a_graph_reads_its_inputs_after_their_producers(cb, rng):
+    """Captured with PDL behind kernels that write x and the residual: the producer reads the residual, the
+    consumer the sums of squares, each only after griddepcontrol.wait."""
+    skip_without_tma()
+    m = 16
+    host, dev = _norm_pair(cb, rng, m)
+    nb = NumpyBackend()
+    src_x, src_res = dev["x"], cp.zeros((m, H), cp.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        def step():
+            res = cb.add_rms_norm(src_x, src_res, dev["nw"], EPS)[1]  # a float32 residual written in the graph
+            normed, _ = cb.linear_add_rms_norm(cb.add(src_x, src_x), dev["w"], None, res, dev["nw"], EPS)
+            return cb.linear(normed, dev["w2"], out_f32=True)
+        step()
+        stream.synchronize()
+        stream.begin_capture()
+        y = step()
+        graph = stream.end_capture()
+        for _ in range(3):
+            x_new, res_new = rnd(rng, m, K_IN), (rng.standard_normal((m, H)) * 4).astype(np.float32)
+            bits(src_x)[...] = bits(cb.asarray(x_new, "act"))
+            src_res[...] = cp.asarray(res_new)
+            bits(y)[...] = NAN_BITS
+            graph.launch(stream)
+            stream.synchronize()
+            ref_normed, _ = nb.add_rms_norm((2 * x_new) @ host["w"].T, x_new + res_new, host["nw"], EPS)
+            check(cb.to_numpy(y), ref_normed @ host["w2"].T, tol=1e-2)
