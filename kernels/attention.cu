@@ -361,7 +361,10 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
 
 // attn_combine<D>: out[t, h] = sum_s w_s o_part[s, t, h] / sum_s w_s, w_s = 2^(lse_s - max lse).
 // One warp per (t, h) row, D / 32 columns per lane; splits with lse = -inf (no visible key) are skipped,
-// so their unwritten-in-spirit zeros never matter.
+// so their unwritten-in-spirit zeros never matter. Lanes hold the lse of splits lane and lane + 32 (nsplit <=
+// 64); the partials of 8 splits are loaded at once before they are added in split order: a loop that waited on
+// each split's load in turn paid nsplit L2 round trips in series.
+#define COMBINE_BATCH 8
 template <int D>
 __global__ void attn_combine(const float* __restrict__ o_part, const float* __restrict__ lse_part,
                              bf16* __restrict__ out, int rows, int nsplit) {
@@ -370,24 +373,35 @@ __global__ void attn_combine(const float* __restrict__ o_part, const float* __re
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= rows) return;
-    float mx = -CF_INF;
-    for (int sp = lane; sp < nsplit; sp += 32) mx = fmaxf(mx, lse_part[(long long)sp * rows + row]);
-    mx = warp_max(mx);
+    const float lse_lo = lane < nsplit ? lse_part[(long long)lane * rows + row] : -CF_INF;
+    const float lse_hi = lane + 32 < nsplit ? lse_part[(long long)(lane + 32) * rows + row] : -CF_INF;
+    const float mx = warp_max(fmaxf(lse_lo, lse_hi));
     float acc[PER];
 #pragma unroll
     for (int e = 0; e < PER; ++e) acc[e] = 0.f;
     float wsum = 0.f;
-    for (int sp = 0; sp < nsplit; ++sp) {
-        const float lse = lse_part[(long long)sp * rows + row];
-        if (lse == -CF_INF) continue;
-        const float w = exp2f(lse - mx);
-        wsum += w;
-        const float* src = o_part + ((long long)sp * rows + row) * D + lane * PER;
+    for (int base = 0; base < nsplit; base += COMBINE_BATCH) {
+        float v[COMBINE_BATCH][PER];
 #pragma unroll
-        for (int e = 0; e < PER; e += 2) {
-            const float2 v = *reinterpret_cast<const float2*>(src + e);
-            acc[e] += w * v.x;
-            acc[e + 1] += w * v.y;
+        for (int u = 0; u < COMBINE_BATCH; ++u) {
+            if (base + u >= nsplit) break;
+            const float* src = o_part + ((long long)(base + u) * rows + row) * D + lane * PER;
+#pragma unroll
+            for (int e = 0; e < PER; e += 2) {
+                const float2 x = *reinterpret_cast<const float2*>(src + e);
+                v[u][e] = x.x;
+                v[u][e + 1] = x.y;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < COMBINE_BATCH; ++u) {
+            const int sp = base + u;  // the same for every lane: the shuffle is warp-uniform
+            const float lse = __shfl_sync(0xffffffffu, sp < 32 ? lse_lo : lse_hi, sp & 31);
+            if (sp >= nsplit || lse == -CF_INF) continue;
+            const float w = exp2f(lse - mx);
+            wsum += w;
+#pragma unroll
+            for (int e = 0; e < PER; ++e) acc[e] += w * v[u][e];
         }
     }
     const float inv = wsum > 0.f ? 1.f / wsum : 0.f;

@@ -156,6 +156,8 @@ def attention(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, met
     kern = _forward_kernel(d, wm, wn, smem)
     if not split_tiles:
         nsplit = choose_splits(qtiles * (batch_bucket(n) or n) * hk, ctx_bucket, num_sms * ctas_per_sm(kern, smem))
+    if nsplit > MAX_SPLITS:  # attn_combine holds two splits' lse per lane
+        raise BackendError(f"cuda attention: {nsplit} key splits, at most {MAX_SPLITS}")
     if nsplit > 1:
         o_part = cupy.empty((nsplit, t, hq, d), dtype=cupy.float32)  # per-split normalised outputs
         lse_part = cupy.empty((nsplit, t, hq), dtype=cupy.float32)  # per-split log2-sum-exp
