@@ -47,6 +47,34 @@ __device__ __forceinline__ void store8(float* row, int c, const float* f) {
     reinterpret_cast<float4*>(row)[2 * c + 1] = make_float4(f[4], f[5], f[6], f[7]);
 }
 
+// The step timeline (scripts/step_timeline.py), compiled in only with -DCF_TRACE (kernel_loader.py does so when
+// CUDFLASH_TRACE=1): thread 0 of every CTA appends an event when the CTA starts (pdl_launch_dependents) and when
+// its wait for the kernel in front returns (pdl_wait): cf_trace[2 i] = %globaltimer (ns), cf_trace[2 i + 1] =
+// kind (bits 62-63: 0 start, 1 released) | module (56-61) | SM (48-55) | warps per CTA (42-47) | CTAs in the
+// grid (21-41) | CTA index (0-20). One buffer per compiled module; the script reads and resets them.
+#ifdef CF_TRACE
+#define CF_TRACE_CAP (1 << 18)
+__device__ unsigned long long cf_trace[2 * CF_TRACE_CAP];
+__device__ unsigned int cf_trace_count;
+__device__ __forceinline__ void cf_trace_event(unsigned long long kind) {
+    if (threadIdx.x | threadIdx.y | threadIdx.z) return;
+    unsigned long long t;
+    unsigned sm;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    const unsigned i = atomicAdd(&cf_trace_count, 1u);
+    if (i >= CF_TRACE_CAP) return;
+    const unsigned long long grid = (unsigned long long)gridDim.x * gridDim.y * gridDim.z;
+    const unsigned long long cta = blockIdx.x + (unsigned long long)gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    const unsigned long long warps = (blockDim.x * blockDim.y * blockDim.z + 31) / 32;
+    cf_trace[2 * i] = t;
+    cf_trace[2 * i + 1] = kind << 62 | (unsigned long long)CF_TRACE_MODULE << 56 | (unsigned long long)(sm & 255) << 48 |
+                          (warps & 63) << 42 | (grid & 0x1fffff) << 21 | (cta & 0x1fffff);
+}
+#else
+#define cf_trace_event(kind)
+#endif
+
 // Programmatic dependent launch (cudflash/backends/pdl.py), the first statement of every cudflash kernel:
 // let the next kernel in the stream launch (its CTAs take SMs as ours leave), then wait until the previous
 // kernel has finished and its writes are visible. Nothing may read a predecessor's output before this.
@@ -54,6 +82,7 @@ __device__ __forceinline__ void store8(float* row, int c, const float* f) {
 // A kernel that has work independent of its predecessor (weights, old K/V) calls the two halves itself and does
 // that work in between; every CTA must still reach pdl_wait() before it exits.
 __device__ __forceinline__ void pdl_launch_dependents() {
+    cf_trace_event(0);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
@@ -62,6 +91,7 @@ __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+    cf_trace_event(1);
 }
 __device__ __forceinline__ void pdl_entry() {
     pdl_launch_dependents();

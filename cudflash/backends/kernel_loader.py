@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import os
 import re
 from pathlib import Path
 
@@ -21,6 +22,11 @@ from cudflash.backends import pdl
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _OPTIONS: tuple[str, ...] = ()  # CuPy adds -arch for the device and --std=c++17 (v14) itself
+# CUDFLASH_TRACE=1 compiles the step timeline in (common.cuh, scripts/step_timeline.py): module ids for its events,
+# and every module compiled that way, for the script to read.
+TRACE = os.environ.get("CUDFLASH_TRACE") == "1"
+TRACE_MODULES = ("argmax", "attention", "draft_heads", "elementwise", "memory", "norm", "rope", "stream_gemm")
+traced: list[tuple[str, cupy.RawModule]] = []
 
 
 @functools.cache
@@ -64,7 +70,12 @@ def source(name: str) -> str:
 @functools.cache
 def module(name: str, name_expressions: tuple[str, ...] = ()) -> cupy.RawModule:
     """The compiled module of `kernels/<name>.cu` with the given template instantiations."""
-    return cupy.RawModule(code=source(name), options=_OPTIONS, name_expressions=name_expressions or None)
+    if not TRACE:
+        return cupy.RawModule(code=source(name), options=_OPTIONS, name_expressions=name_expressions or None)
+    options = _OPTIONS + ("-DCF_TRACE", f"-DCF_TRACE_MODULE={TRACE_MODULES.index(name)}")
+    mod = cupy.RawModule(code=source(name), options=options, name_expressions=name_expressions or None)
+    traced.append((name, mod))
+    return mod
 
 
 class Kernel:
