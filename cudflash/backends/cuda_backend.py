@@ -240,13 +240,12 @@ class CudaBackend:
         """See base.Backend.linear_add_rms_norm. Where the weight streams (stream_gemm.usable), one launch: the
         GEMM's epilogue adds the residual and leaves a DeferredNorm for the next GEMM, so no RMSNorm kernel (and
         no wait on one) sits between the two; else the GEMM and the fused add + RMSNorm kernel."""
-        m, k = as_rows(x).shape
-        n = weight.shape[0]
+        rows = as_rows(x)
+        (m, k), n = rows.shape, weight.shape[0]
         if bias is None and x.dtype == self.act and residual.dtype == cupy.float32 and residual.flags.c_contiguous \
                 and residual.shape == (m, n) and norm_weight.shape == (n,) and weight.flags.c_contiguous \
                 and stream_gemm.fusable(m, n, k, weight.nbytes, self.num_sms):
-            return stream_gemm.add_norm(self._gemm_rows(as_rows(x), True), weight, residual, norm_weight, eps,
-                                        self.num_sms)
+            return stream_gemm.add_norm(self._gemm_rows(rows, True), weight, residual, norm_weight, eps, self.num_sms)
         return self.add_rms_norm(self.linear(x, weight, bias, out_f32=True), residual, norm_weight, eps)
 
     def _gemm_rows(self, x: cupy.ndarray, streamed: bool) -> cupy.ndarray:

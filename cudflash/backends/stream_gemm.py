@@ -126,8 +126,8 @@ class Epilogue(ctypes.Structure):  # struct Epilogue in stream_gemm.cu, passed b
 @dataclass(eq=False)
 class DeferredNorm:
     """rms_norm(residual) * weight, not yet scaled by its rows' rsqrt: what an SG_ADD_NORM GEMM leaves for the next
-    GEMM, which applies the scale to its output rows (SG_ROW_SCALE). A consumer that cannot do that (another
-    kernel, a small weight) calls `materialize` for the plain normed rows, computed by the RMSNorm kernel."""
+    GEMM, which applies the scale to its output rows (SG_ROW_SCALE). For a consumer that cannot (a small weight on
+    cuBLAS), CudaBackend.linear fills `plain` once with the RMSNorm kernel's rows."""
 
     normed: cupy.ndarray  # [M, H] bf16: weight * residual
     ssq: cupy.ndarray  # [parts, MAX_ROWS] float32: each producer CTA's sums of residual^2 over its columns
