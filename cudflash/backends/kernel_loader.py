@@ -18,14 +18,13 @@ from pathlib import Path
 
 import cupy
 
-from cudflash.backends import pdl
+from cudflash.backends import pdl, trace
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _OPTIONS: tuple[str, ...] = ()  # CuPy adds -arch for the device and --std=c++17 (v14) itself
-# CUDFLASH_TRACE=1 compiles the step timeline in (common.cuh, scripts/step_timeline.py): module ids for its events,
-# and every module compiled that way, for the script to read.
+# CUDFLASH_TRACE=1 compiles the step timeline in (common.cuh, trace.py): every module compiled that way is kept for
+# scripts/step_timeline.py to read.
 TRACE = os.environ.get("CUDFLASH_TRACE") == "1"
-TRACE_MODULES = ("argmax", "attention", "draft_heads", "elementwise", "memory", "norm", "rope", "stream_gemm")
 traced: list[tuple[str, cupy.RawModule]] = []
 
 
@@ -72,7 +71,7 @@ def module(name: str, name_expressions: tuple[str, ...] = ()) -> cupy.RawModule:
     """The compiled module of `kernels/<name>.cu` with the given template instantiations."""
     if not TRACE:
         return cupy.RawModule(code=source(name), options=_OPTIONS, name_expressions=name_expressions or None)
-    options = _OPTIONS + ("-DCF_TRACE", f"-DCF_TRACE_MODULE={TRACE_MODULES.index(name)}")
+    options = _OPTIONS + ("-DCF_TRACE", f"-DCF_TRACE_MODULE={trace.MODULES.index(name)}")
     mod = cupy.RawModule(code=source(name), options=options, name_expressions=name_expressions or None)
     traced.append((name, mod))
     return mod

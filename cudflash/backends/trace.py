@@ -1,0 +1,101 @@
+"""The step timeline (scripts/step_timeline.py): events that kernels compiled with CF_TRACE record
+(kernels/common.cuh), read off the device and grouped into launches.
+
+Thread 0 of every CTA records two events: when the CTA starts, and when its wait on the kernel in front returns
+(its "release"). An event is two uint64: the %globaltimer time in ns and a packed word,
+kind (bits 62-63: 0 start, 1 release) | module (56-61) | SM (48-55) | warps per CTA (42-47) | CTAs in the grid
+(21-41) | CTA index (0-20). Each compiled module has its own buffer (kernel_loader.traced).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MODULES = ("argmax", "attention", "draft_heads", "elementwise", "memory", "norm", "rope", "stream_gemm")
+CAP = 1 << 18  # CF_TRACE_CAP: events per module buffer
+
+
+@dataclass
+class Launch:
+    """One kernel launch as its CTAs recorded it (times in ns)."""
+
+    name: str  # module, CTAs x warps per CTA
+    grid: int
+    starts: dict[int, int] = field(default_factory=dict)  # CTA index -> start time
+    releases: dict[int, int] = field(default_factory=dict)  # CTA index -> time its wait returned
+    span: int = 0  # the next launch's first release minus this one's (set by `spans`)
+
+    @property
+    def t_start(self) -> int:
+        return min(self.starts.values())
+
+    @property
+    def t_release(self) -> int:
+        return min(self.releases.values())
+
+
+def decode(info: int) -> tuple[int, int, int, int, int, int]:
+    """(kind, module, SM, warps, grid, CTA) of a packed event word."""
+    return (info >> 62, (info >> 56) & 63, (info >> 48) & 255, (info >> 42) & 63, (info >> 21) & 0x1FFFFF,
+            info & 0x1FFFFF)
+
+
+def group(events: np.ndarray) -> list[Launch]:
+    """Events [n, 2] (time, word) -> launches in the order they started, each with a release.
+
+    Under PDL a grid starts only after every CTA of the one in front has started, and its waits return only after
+    that one completed. So for one kind of kernel (module, warps, grid size), a CTA's start belongs to the earliest
+    launch that has not started that CTA, and its release to the earliest that started it and has not released
+    it, even where a GEMM's next launch starts CTAs on idle SMs before the current one's waits return."""
+    out: list[Launch] = []
+    pending: dict[tuple[int, int, int], list[Launch]] = defaultdict(list)
+    for t, info in sorted(events.tolist()):
+        kind, module, _, warps, grid, cta = decode(info)
+        open_launches = pending[(module, warps, grid)]
+        if kind == 0:
+            launch = next((x for x in open_launches if cta not in x.starts), None)
+            if launch is None:
+                launch = Launch(f"{MODULES[module]} {grid}x{warps}w", grid)
+                open_launches.append(launch)
+                out.append(launch)
+            launch.starts[cta] = t
+            continue
+        launch = next((x for x in open_launches if cta in x.starts and cta not in x.releases), None)
+        if launch is None:
+            continue  # started before the recording began
+        launch.releases[cta] = t
+        if len(launch.releases) == launch.grid:
+            open_launches.remove(launch)
+    return [x for x in out if x.releases]
+
+
+def spans(launches: list[Launch]) -> list[Launch]:
+    """Sorted by release, each with its span: the spans add up to the time from the first release to the last."""
+    ordered = sorted(launches, key=lambda x: x.t_release)
+    for a, b in zip(ordered, ordered[1:]):
+        a.span = b.t_release - a.t_release
+    return ordered
+
+
+def buffers(modules) -> list[tuple[object, object]]:
+    """(event count, events) device views of each traced module's buffers (modules: kernel_loader.traced)."""
+    import cupy
+
+    return [(cupy.ndarray((1,), cupy.uint32, memptr=mod.get_global("cf_trace_count")),
+             cupy.ndarray((2 * CAP,), cupy.uint64, memptr=mod.get_global("cf_trace"))) for _, mod in modules]
+
+
+def reset(modules) -> None:
+    for count, _ in buffers(modules):
+        count.fill(0)
+
+
+def read(modules) -> np.ndarray:
+    """Every module's recorded events, [n, 2] uint64 (time, word)."""
+    rows = [np.zeros((0, 2), np.uint64)]
+    for count, events in buffers(modules):
+        n = min(int(count.get()[0]), CAP)
+        rows.append(events[: 2 * n].get().reshape(n, 2))
+    return np.concatenate(rows)

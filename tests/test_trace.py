@@ -1,0 +1,40 @@
+"""The step timeline's grouping of CTA events into launches (cudflash/backends/trace.py), on synthetic events."""
+import numpy as np
+
+from cudflash.backends import trace
+
+GEMM, NORM = trace.MODULES.index("stream_gemm"), trace.MODULES.index("norm")
+
+
+def word(kind: int, module: int, warps: int, grid: int, cta: int, sm: int = 0) -> int:
+    """The packed word of kernels/common.cuh's cf_trace_event."""
+    return kind << 62 | module << 56 | sm << 48 | warps << 42 | grid << 21 | cta
+
+
+def test_decode_reads_the_layout_common_cuh_writes():
+    assert trace.decode(word(1, GEMM, 5, 132, 131, sm=77)) == (1, GEMM, 77, 5, 132, 131)
+
+
+def test_interleaved_launches_of_one_kind_are_told_apart():
+    """The next GEMM starts a CTA on an idle SM before the current one's waits have returned: that start belongs to
+    the next launch, the releases that follow to the current one."""
+    ev = [(10, word(0, GEMM, 5, 2, 0)), (11, word(0, GEMM, 5, 2, 1)),
+          (12, word(0, NORM, 8, 1, 0)),
+          (13, word(0, GEMM, 5, 2, 0)),  # the next GEMM's CTA 0, early
+          (20, word(1, GEMM, 5, 2, 0)), (21, word(1, GEMM, 5, 2, 1)),  # the first GEMM's releases
+          (30, word(1, NORM, 8, 1, 0)),
+          (31, word(0, GEMM, 5, 2, 1)), (40, word(1, GEMM, 5, 2, 1)), (41, word(1, GEMM, 5, 2, 0))]
+    launches = trace.group(np.array(ev, dtype=np.uint64))
+    assert [(x.name, x.t_start, x.t_release) for x in launches] == [
+        ("stream_gemm 2x5w", 10, 20), ("norm 1x8w", 12, 30), ("stream_gemm 2x5w", 13, 40)]
+    assert launches[2].starts == {0: 13, 1: 31} and launches[2].releases == {0: 41, 1: 40}
+
+
+def test_spans_add_up_to_the_step_and_releases_before_recording_are_dropped():
+    ev = [(5, word(1, NORM, 8, 1, 0)),  # a release whose start was not recorded
+          (10, word(0, NORM, 8, 1, 0)), (12, word(1, NORM, 8, 1, 0)),
+          (11, word(0, GEMM, 5, 1, 0)), (19, word(1, GEMM, 5, 1, 0)),
+          (13, word(0, NORM, 8, 1, 0)), (50, word(1, NORM, 8, 1, 0))]
+    ordered = trace.spans(trace.group(np.array(ev, dtype=np.uint64)))
+    assert [x.span for x in ordered] == [7, 31, 0]
+    assert sum(x.span for x in ordered) == ordered[-1].t_release - ordered[0].t_release
