@@ -69,11 +69,10 @@ def source(name: str) -> str:
 @functools.cache
 def module(name: str, name_expressions: tuple[str, ...] = ()) -> cupy.RawModule:
     """The compiled module of `kernels/<name>.cu` with the given template instantiations."""
-    if not TRACE:
-        return cupy.RawModule(code=source(name), options=_OPTIONS, name_expressions=name_expressions or None)
-    options = _OPTIONS + ("-DCF_TRACE", f"-DCF_TRACE_MODULE={trace.MODULES.index(name)}")
+    options = _OPTIONS + (("-DCF_TRACE", f"-DCF_TRACE_MODULE={trace.MODULES.index(name)}") if TRACE else ())
     mod = cupy.RawModule(code=source(name), options=options, name_expressions=name_expressions or None)
-    traced.append((name, mod))
+    if TRACE:
+        traced.append((name, mod))
     return mod
 
 
