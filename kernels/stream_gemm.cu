@@ -299,5 +299,6 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
             }
         }
     }
+    cf_trace_event(2);  // this CTA's outputs are written
 #endif
 }

@@ -6,7 +6,9 @@ the kernel in front returns. One late autoregressive step and one late speculati
 recorded. CTAs are grouped into launches in time order, and each launch gets:
   release  its first CTA's wait returning (about when the kernel in front has completed), relative to the step;
   span     the next launch's release minus its own: the time the chain spent on it, completion included;
-  early    how long before its release its first CTA was resident (PDL lets it start behind the kernel in front).
+  early    how long before its release its first CTA was resident (PDL lets it start behind the kernel in front);
+  ends     for kernels that mark it (stream_gemm), when the first, the median and the last CTA had written their
+           outputs, after the release: the spread is how unevenly a launch's equal shares of work finish.
 The spans of one step add up to its device time; the table sums them per kind of kernel, and one layer's launches
 are listed in order. The recording adds a global atomic and two stores per CTA event, so spans are a little long.
 Usage: python3 scripts/step_timeline.py [extra bench arguments, e.g. --prompt-len 2048]
@@ -39,10 +41,12 @@ def report(title: str, launches: list[trace.Launch]) -> None:
         print(f"{name:36s} {len(sp):8d} {statistics.mean(sp):12.2f} {sum(sp):9.1f}")
     gemms = [i for i, x in enumerate(ls) if x.name.startswith("stream_gemm")]
     if len(gemms) > 44:  # one layer in the middle: from its first GEMM to the next layer's
-        print(f"{'one layer, in order':36s} {'release us':>10s} {'span us':>8s} {'early us':>9s}")
+        print(f"{'one layer, in order':36s} {'release us':>10s} {'span us':>8s} {'early us':>9s} {'ends us':>20s}")
         for x in ls[gemms[40]:gemms[44] + 1]:
+            ends = sorted((t - x.t_release) / 1e3 for t in x.ends.values())
+            ends_text = f"{ends[0]:6.2f} {ends[len(ends) // 2]:6.2f} {ends[-1]:6.2f}" if ends else ""
             print(f"{x.name:36s} {(x.t_release - t0) / 1e3:10.1f} {x.span / 1e3:8.2f} "
-                  f"{(x.t_release - x.t_start) / 1e3:9.2f}")
+                  f"{(x.t_release - x.t_start) / 1e3:9.2f} {ends_text:>20s}")
 
 
 seen: dict[str, int] = defaultdict(int)

@@ -38,3 +38,18 @@ def test_spans_add_up_to_the_step_and_releases_before_recording_are_dropped():
     ordered = trace.spans(trace.group(np.array(ev, dtype=np.uint64)))
     assert [x.span for x in ordered] == [7, 31, 0]
     assert sum(x.span for x in ordered) == ordered[-1].t_release - ordered[0].t_release
+
+
+def test_an_end_belongs_to_the_launch_its_cta_was_last_released_in():
+    """A GEMM CTA's end comes after its release, and possibly after the next GEMM has started a CTA of the same
+    index on another SM: it still belongs to the launch that released it."""
+    ev = [(10, word(0, GEMM, 5, 2, 0)), (11, word(0, GEMM, 5, 2, 1)),
+          (20, word(1, GEMM, 5, 2, 0)), (21, word(1, GEMM, 5, 2, 1)),
+          (25, word(2, GEMM, 5, 2, 0)),
+          (26, word(0, GEMM, 5, 2, 0)),  # the next GEMM's CTA 0 starts on the SM CTA 0 left
+          (29, word(2, GEMM, 5, 2, 1)),
+          (30, word(0, GEMM, 5, 2, 1)), (40, word(1, GEMM, 5, 2, 0)), (41, word(1, GEMM, 5, 2, 1)),
+          (50, word(2, GEMM, 5, 2, 1)), (52, word(2, GEMM, 5, 2, 0)),
+          (60, word(2, NORM, 8, 1, 0))]  # an end with no recorded release: dropped
+    first, second = trace.group(np.array(ev, dtype=np.uint64))
+    assert first.ends == {0: 25, 1: 29} and second.ends == {0: 52, 1: 50}

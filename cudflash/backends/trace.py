@@ -2,9 +2,10 @@
 (kernels/common.cuh), read off the device and grouped into launches.
 
 Thread 0 of every CTA records two events: when the CTA starts, and when its wait on the kernel in front returns
-(its "release"). An event is two uint64: the %globaltimer time in ns and a packed word,
-kind (bits 62-63: 0 start, 1 release) | module (56-61) | SM (48-55) | warps per CTA (42-47) | CTAs in the grid
-(21-41) | CTA index (0-20). Each compiled module has its own buffer (kernel_loader.traced).
+(its "release"); a kernel that marks it (stream_gemm) records a third when the CTA's outputs are written (its
+"end"). An event is two uint64: the %globaltimer time in ns and a packed word,
+kind (bits 62-63: 0 start, 1 release, 2 end) | module (56-61) | SM (48-55) | warps per CTA (42-47) | CTAs in the
+grid (21-41) | CTA index (0-20). Each compiled module has its own buffer (kernel_loader.traced).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class Launch:
     grid: int
     starts: dict[int, int] = field(default_factory=dict)  # CTA index -> start time
     releases: dict[int, int] = field(default_factory=dict)  # CTA index -> time its wait returned
+    ends: dict[int, int] = field(default_factory=dict)  # CTA index -> time its outputs were written (if marked)
     span: int = 0  # the next launch's first release minus this one's (set by `spans`)
 
     @property
@@ -51,9 +53,15 @@ def group(events: np.ndarray) -> list[Launch]:
     it, even where a GEMM's next launch starts CTAs on idle SMs before the current one's waits return."""
     out: list[Launch] = []
     pending: dict[tuple[int, int, int], list[Launch]] = defaultdict(list)
+    last_release: dict[tuple[int, int, int, int], Launch] = {}  # (kind of kernel, CTA) -> its latest release's launch
     for t, info in sorted(events.tolist()):
         kind, module, _, warps, grid, cta = decode(info)
         open_launches = pending[(module, warps, grid)]
+        if kind == 2:  # an end follows its own CTA's release
+            launch = last_release.get((module, warps, grid, cta))
+            if launch is not None:
+                launch.ends[cta] = t
+            continue
         if kind == 0:
             launch = next((x for x in open_launches if cta not in x.starts), None)
             if launch is None:
@@ -66,6 +74,7 @@ def group(events: np.ndarray) -> list[Launch]:
         if launch is None:
             continue  # started before the recording began
         launch.releases[cta] = t
+        last_release[(module, warps, grid, cta)] = launch
         if len(launch.releases) == launch.grid:
             open_launches.remove(launch)
     return [x for x in out if x.releases]
