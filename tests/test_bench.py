@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from cudflash.bench import BatchResult, format_table
 
 
@@ -68,8 +70,6 @@ def _bench_switch():
 
 
 def test_bench_switch_sets_constants_with_their_type_and_rejects_typos(monkeypatch):
-    import pytest
-
     from cudflash import bench
 
     switch = _bench_switch()
