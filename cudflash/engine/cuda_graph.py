@@ -42,6 +42,7 @@ from cudflash.backends.base import AttentionMeta
 from cudflash.backends.cuda_attention import DeviceMeta, batch_bucket, context_bucket
 from cudflash.engine.propose import block_rows
 from cudflash.engine.sequence import Sequence
+from cudflash.engine.staging import fill_step_inputs
 from cudflash.models.batch import ForwardBatch
 
 def pinned_int32(size: int) -> np.ndarray:
@@ -149,26 +150,12 @@ class StepGraphs:
         return self.buffers[key]
 
     def stage(self, seqs: list[Sequence], q: int, mask: int) -> tuple[StepBuffers, int]:
+        """Fill the page-locked inputs of the step's batch bucket and queue their copy; (buffers, context bucket)."""
         n = batch_bucket(len(seqs))
         buf = self._buffers(n, q)
-        bs = self.runner.blocks.block_size
-        ids, positions, slots, ctx, tables = buf.inputs(buf.host_in)  # filled in place, then one copy
-        ids, positions, slots = ids.reshape(n, q), positions.reshape(n, q), slots.reshape(n, q)
-        ids.fill(mask)
-        positions[:] = np.arange(q, dtype=np.int32)
-        slots.fill(-1)
-        ctx.fill(q)
-        tables.fill(self.dummy_block)
-        for i, s in enumerate(seqs):
-            ids[i, 0] = s.last_token
-            pos = s.num_cached + np.arange(q)
-            positions[i] = pos
-            table = np.asarray(s.block_table, dtype=np.int32)
-            slots[i] = table[pos // bs] * bs + pos % bs
-            ctx[i] = s.num_cached + q
-            tables[i, : len(table)] = table
-        self._copy(buf.host_in, buf.step_in, cupy.cuda.runtime.memcpyHostToDevice)
-        return buf, context_bucket(int(ctx.max()))
+        longest = fill_step_inputs(buf.host_in, n, q, seqs, mask, self.runner.blocks.block_size, self.dummy_block)
+        self._copy(buf.host_in, buf.step_in, cupy.cuda.runtime.memcpyHostToDevice)  # one copy of all of it
+        return buf, context_bucket(longest)
 
     def _meta(self, buf: StepBuffers, ctx_bucket: int) -> AttentionMeta:
         meta = AttentionMeta(np.arange(buf.n + 1, dtype=np.int32) * buf.q, np.full(buf.n, ctx_bucket, np.int32),
