@@ -1,7 +1,8 @@
 """`cudflash bench` with module switches set: A/B runs of one tree, with no second checkout to keep in step.
 
 Each NAME=VALUE sets a module-level constant of a cudflash.backends module before anything is compiled or planned
-(stream_gemm by default; `cuda_attention.NAME` for another). The value takes the type of the constant it replaces,
+(stream_gemm by default; `cuda_attention.NAME` for another; a full name such as
+`cudflash.engine.cuda_graph.NAME` for a module elsewhere). The value takes the type of the constant it replaces,
 and a name the module does not have is an error, so a typo cannot silently measure the default.
 Examples:
   python3 scripts/bench_switch.py PROGRAMMATIC=0                 # stream_gemm launched without PDL
@@ -26,7 +27,8 @@ def apply(assignments: list[str], package: str = "cudflash.backends", default_mo
         module_name, _, name = key.rpartition(".")
         if not sep or not name:
             raise SystemExit(f"{text!r}: expected [module.]NAME=VALUE")
-        module = importlib.import_module(f"{package}.{module_name or default_module}")
+        full = module_name if module_name.startswith("cudflash.") else f"{package}.{module_name or default_module}"
+        module = importlib.import_module(full)
         if not hasattr(module, name):
             raise SystemExit(f"{module.__name__} has no {name}")
         old = getattr(module, name)

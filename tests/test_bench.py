@@ -76,6 +76,8 @@ def test_bench_switch_sets_constants_with_their_type_and_rejects_typos(monkeypat
     monkeypatch.setattr(bench, "PROJECTED_TAU", 6.5)  # restored afterwards
     switch.apply(["bench.PROJECTED_TAU=4"], package="cudflash")
     assert bench.PROJECTED_TAU == 4.0 and isinstance(bench.PROJECTED_TAU, float)
+    switch.apply(["cudflash.bench.PROJECTED_TAU=3"])  # a full module name, outside the default package
+    assert bench.PROJECTED_TAU == 3.0
     with pytest.raises(SystemExit, match="has no PROJECTED_TAUU"):
         switch.apply(["bench.PROJECTED_TAUU=4"], package="cudflash")
     with pytest.raises(SystemExit, match="not a number"):

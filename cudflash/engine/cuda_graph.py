@@ -10,6 +10,16 @@ The host stages each step's inputs into the static buffers and replays the propo
 drafts and argmaxes go back to page-locked host memory, and the context graph is queued behind that copy, so
 the device runs it while the host waits for the copy and accepts.
 
+Plain decoding (block width 1, every sequence greedy) runs one step ahead (`decode`): while the host waits for step
+k's tokens and accepts them, step k + 1 is already queued, staged for positions one further on with its pending
+tokens copied on the device from step k's argmax. So the device never idles on the host's staging, launch,
+read-back and bookkeeping (0.05-0.3 ms per step on the H200 machine, BENCHMARKS.md, session 7). The next step takes
+the queued one only if its sequences are exactly the predicted ones (same objects, each one token further, the
+same slots); otherwise the queued step is dropped. A dropped step did no harm: it wrote K/V only at the slot of
+position num_cached + 1 of its own sequences (scratch until committed, and written again by whichever step does
+compute that position before anything reads it), and anything that reuses those blocks later is ordered after it
+on the stream.
+
 Why the context update may run before acceptance, over rows that may be rejected: the drafter's context K/V at a
 position is a function of the target's tap at that position alone, and every row of the block was a verify
 input. The committed rows (the pending token and the accepted drafts, a prefix) therefore get the K/V an update
@@ -33,7 +43,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import cupy
 import numpy as np
@@ -45,10 +55,25 @@ from cudflash.engine.sequence import Sequence
 from cudflash.engine.staging import fill_step_inputs
 from cudflash.models.batch import ForwardBatch
 
+# StepGraphs.pipeline's default; A/B: scripts/bench_switch.py cudflash.engine.cuda_graph.RUN_AHEAD=0
+RUN_AHEAD = True
+
+
 def pinned_int32(size: int) -> np.ndarray:
     """A host int32 array in page-locked memory, so that a copy into it is asynchronous DMA."""
     memory = cupy.cuda.alloc_pinned_memory(max(1, size) * 4)
     return np.frombuffer(memory, dtype=np.int32, count=size)  # its base keeps `memory` alive
+
+
+@dataclass
+class HostSlot:
+    """Page-locked staging memory for one step in flight. Two per StepBuffers, used in turn, so that plain decoding
+    can stage step k + 1 while step k's copies may still be pending; a slot is written again only after the
+    read-back of the last step that used it has landed (`done`)."""
+
+    host_in: np.ndarray  # int32, the layout of StepBuffers.step_in
+    host_out: np.ndarray  # int32 [n q + n (q - 1)]: targets | drafts, copied back after verify
+    done: cupy.cuda.Event  # recorded behind the read-back of the last step that used this slot
 
 
 @dataclass
@@ -57,7 +82,7 @@ class StepBuffers:
 
     The per-step inputs are views into one packed int32 buffer, staged from a page-locked mirror of the same
     layout (`inputs` gives the views of either) with ONE asynchronous copy on the graphs' stream: ordered behind
-    the previous step's context graph, which reads its positions and slots, without the host waiting for it.
+    the previous step's graphs, which read its positions and slots, without the host waiting for them.
     """
 
     n: int
@@ -66,8 +91,15 @@ class StepBuffers:
     cu_seqlens: cupy.ndarray  # int32 [n + 1] = arange * q (fixed)
     draft_rows: cupy.ndarray  # int32 [n * (q - 1)]: the mask rows (fixed)
     verify_ids: cupy.ndarray  # int32 [n * q]: ids with the drafts in place of the masks (written on the device)
-    host_in: np.ndarray  # int32, page-locked, the layout of step_in
-    host_out: np.ndarray  # int32 [n q + n (q - 1)], page-locked: targets | drafts, copied back after verify
+    host: list[HostSlot]  # two, used in turn
+    turn: int = 0
+
+    def take_slot(self) -> HostSlot:
+        """The next host slot, once the last step that used it has copied its outputs back."""
+        slot = self.host[self.turn]
+        self.turn ^= 1
+        slot.done.synchronize()
+        return slot
 
     def inputs(self, packed: Any) -> tuple[Any, Any, Any, Any, Any]:
         """Views of step_in or host_in: ids [n q] ([pending token, MASK x (q-1)] per sequence), positions [n q],
@@ -95,6 +127,23 @@ class StepBuffers:
     @property
     def block_tables(self) -> cupy.ndarray:
         return self.inputs(self.step_in)[4]
+
+
+@dataclass
+class Launched:
+    """A plain decoding step on the stream: what it was staged for, and where its argmax lands."""
+
+    seqs: list[Sequence]
+    rows: list[tuple[int, int]]  # per sequence: (num_cached, cache block of the row's position) it was staged for
+    step: "CapturedStep"
+    buf: StepBuffers
+    slot: HostSlot
+
+    def matches(self, seqs: list[Sequence], block_size: int) -> bool:
+        """Whether this step is the decode of exactly `seqs` as they stand now."""
+        return len(seqs) == len(self.seqs) and all(
+            a is b and (a.num_cached, a.block_table[a.num_cached // block_size]) == row
+            for a, b, row in zip(seqs, self.seqs, self.rows))
 
 
 @dataclass
@@ -129,7 +178,9 @@ class StepGraphs:
         # (padded batch, block width, context bucket) -> captured step, least recently used first
         self.steps: OrderedDict[tuple[int, int, int], CapturedStep] = OrderedDict()
         self.num_captures = 0
-        self.copied_back = cupy.cuda.Event(disable_timing=True)  # recorded behind a step's device-to-host copy
+        self.pipeline = RUN_AHEAD  # plain decoding queues the next step before waiting for this one (`decode`)
+        self.pending: Launched | None = None  # the step `decode` queued ahead
+        self.num_run_ahead = 0  # decode steps that found themselves already queued
 
     @property
     def nbytes(self) -> int:
@@ -146,16 +197,20 @@ class StepGraphs:
             self.buffers[key] = StepBuffers(
                 n, q, z(3 * n * q + n + n * self.max_blocks), cupy.asarray(np.arange(n + 1, dtype=np.int32) * q),
                 cupy.asarray(block_rows(n, q, 1, q - 1).astype(np.int32)), z(n * q),
-                pinned_int32(3 * n * q + n + n * self.max_blocks), pinned_int32(n * q + n * (q - 1)))
+                [HostSlot(pinned_int32(3 * n * q + n + n * self.max_blocks), pinned_int32(n * q + n * (q - 1)),
+                          cupy.cuda.Event(disable_timing=True)) for _ in range(2)])
         return self.buffers[key]
 
-    def stage(self, seqs: list[Sequence], q: int, mask: int) -> tuple[StepBuffers, int]:
-        """Fill the page-locked inputs of the step's batch bucket and queue their copy; (buffers, context bucket)."""
+    def stage(self, seqs: list[Sequence], q: int, mask: int, ahead: int = 0) -> tuple[StepBuffers, HostSlot, int]:
+        """Fill the page-locked inputs of the step's batch bucket and queue their copy; (buffers, the host slot
+        used, context bucket). `ahead`: see fill_step_inputs."""
         n = batch_bucket(len(seqs))
         buf = self._buffers(n, q)
-        longest = fill_step_inputs(buf.host_in, n, q, seqs, mask, self.runner.blocks.block_size, self.dummy_block)
-        self._copy(buf.host_in, buf.step_in, cupy.cuda.runtime.memcpyHostToDevice)  # one copy of all of it
-        return buf, context_bucket(longest)
+        slot = buf.take_slot()
+        longest = fill_step_inputs(slot.host_in, n, q, seqs, mask, self.runner.blocks.block_size, self.dummy_block,
+                                   ahead)
+        self._copy(slot.host_in, buf.step_in, cupy.cuda.runtime.memcpyHostToDevice)  # one copy of all of it
+        return buf, slot, context_bucket(longest)
 
     def _meta(self, buf: StepBuffers, ctx_bucket: int) -> AttentionMeta:
         meta = AttentionMeta(np.arange(buf.n + 1, dtype=np.int32) * buf.q, np.full(buf.n, ctx_bucket, np.int32),
@@ -211,38 +266,98 @@ class StepGraphs:
         return CapturedStep(propose_graph, verify_graph, context_graph, drafts, targets, logits, pool,
                             keep=[taps, meta])
 
-    def propose(self, seqs: list[Sequence], q: int, mask: int) -> tuple[CapturedStep, StepBuffers]:
-        """Stage the step's inputs, capture its graphs if this shape is new, replay the propose graph."""
-        buf, ctx_bucket = self.stage(seqs, q, mask)
-        key = (buf.n, q, ctx_bucket)
+    def _step_for(self, buf: StepBuffers, ctx_bucket: int, speculative: bool) -> CapturedStep:
+        """The captured step of this shape, captured now if new (evicting the least recently used past the bound)."""
+        key = (buf.n, buf.q, ctx_bucket)
         if key not in self.steps:
-            self.steps[key] = self._capture(buf, ctx_bucket, q > 1)
+            self.steps[key] = self._capture(buf, ctx_bucket, speculative)
             while len(self.steps) > 1 and self.nbytes > self.max_bytes:
                 _, old = self.steps.popitem(last=False)
+                self.stream.synchronize()  # a step queued ahead may still be running on the graphs released here
                 old.release()
         self.steps.move_to_end(key)
-        step = self.steps[key]
+        return self.steps[key]
+
+    def propose(self, seqs: list[Sequence], q: int, mask: int) -> tuple[CapturedStep, StepBuffers, HostSlot]:
+        """Stage the step's inputs, capture its graphs if this shape is new, replay the propose graph."""
+        self.pending = None  # a step queued ahead by `decode` is not this one
+        buf, slot, ctx_bucket = self.stage(seqs, q, mask)
+        step = self._step_for(buf, ctx_bucket, q > 1)
         if step.propose_graph is not None:
             step.propose_graph.launch(self.stream)
-        return step, buf
+        return step, buf, slot
 
-    def verify(self, step: CapturedStep, buf: StepBuffers) -> tuple[np.ndarray, np.ndarray]:
+    def verify(self, step: CapturedStep, buf: StepBuffers, slot: HostSlot) -> tuple[np.ndarray, np.ndarray]:
         """Replay the verify graph, copy (targets [n, q], drafts [n, q - 1]) back, queue the context graph behind
         the copy, and return them once the copy (not the context update) is done."""
-        step.verify_graph.launch(self.stream)
-        nq = buf.n * buf.q
-        self._copy(step.targets, buf.host_out[:nq], cupy.cuda.runtime.memcpyDeviceToHost)
-        if step.drafts is not None:
-            self._copy(step.drafts, buf.host_out[nq:], cupy.cuda.runtime.memcpyDeviceToHost)
-        self.copied_back.record(self.stream)
+        self._verify_and_copy_back(step, buf, slot)
         if step.context_graph is not None:
             step.context_graph.launch(self.stream)
-        self.copied_back.synchronize()
-        return buf.host_out[:nq].reshape(buf.n, buf.q).copy(), buf.host_out[nq:].reshape(buf.n, buf.q - 1).copy()
+        slot.done.synchronize()
+        nq = buf.n * buf.q
+        return slot.host_out[:nq].reshape(buf.n, buf.q).copy(), slot.host_out[nq:].reshape(buf.n, buf.q - 1).copy()
+
+    def _verify_and_copy_back(self, step: CapturedStep, buf: StepBuffers, slot: HostSlot) -> None:
+        step.verify_graph.launch(self.stream)
+        nq = buf.n * buf.q
+        self._copy(step.targets, slot.host_out[:nq], cupy.cuda.runtime.memcpyDeviceToHost)
+        if step.drafts is not None:
+            self._copy(step.drafts, slot.host_out[nq:], cupy.cuda.runtime.memcpyDeviceToHost)
+        slot.done.record(self.stream)
+
+    # ---- plain decoding, one step ahead (module docstring)
+    def decode(self, seqs: list[Sequence], mark: Callable[[str], None]) -> tuple[np.ndarray, cupy.ndarray]:
+        """One plain decoding step of `seqs`: (their argmax tokens [len(seqs)], the step's float32 logits). Takes
+        the step queued ahead by the last call if it is this one, else stages and launches it; then queues the
+        next step (greedy sequences only: their logits are then overwritten) before waiting for this one's."""
+        pending, self.pending = self.pending, None
+        bs = self.runner.blocks.block_size
+        if pending is not None and pending.matches(seqs, bs):
+            now = pending
+            self.num_run_ahead += 1
+        else:
+            buf, slot, ctx_bucket = self.stage(seqs, 1, 0)
+            now = Launched(list(seqs), [(s.num_cached, s.block_table[s.num_cached // bs]) for s in seqs],
+                           self._step_for(buf, ctx_bucket, False), buf, slot)
+            self._verify_and_copy_back(now.step, buf, slot)
+        mark("propose")
+        if self.pipeline and self._can_run_ahead(seqs):
+            self.pending = self._launch_ahead(seqs, now)
+        now.slot.done.synchronize()
+        mark("verify")
+        return now.slot.host_out[:len(seqs)].copy(), now.step.logits
+
+    def _can_run_ahead(self, seqs: list[Sequence]) -> bool:
+        """Greedy sequences (their next token is the argmax on the device), none ending at this step's length
+        limit, with slots for position num_cached + 1 (reserved here, if the pool has them)."""
+        blocks = self.runner.blocks
+        if any(not s.params.greedy or len(s.output_ids) + 1 >= s.params.max_tokens for s in seqs):
+            return False
+        if sum(max(0, blocks.blocks_for(s.num_cached + 2) - len(s.block_table)) for s in seqs) > blocks.num_free:
+            return False
+        for s in seqs:
+            blocks.reserve(s, s.num_cached + 2)
+        return True
+
+    def _launch_ahead(self, seqs: list[Sequence], now: Launched) -> Launched | None:
+        """Queue the step after `now`: positions one further on, pending tokens = now's argmax, copied on the device.
+        None (nothing queued) where that step's shape has no captured graph yet: capturing runs it eagerly first."""
+        bs = self.runner.blocks.block_size
+        n = batch_bucket(len(seqs))
+        longest = max(s.num_cached + 2 for s in seqs)
+        step = self.steps.get((n, 1, context_bucket(longest)))
+        if step is None:
+            return None
+        buf, slot, _ = self.stage(seqs, 1, 0, ahead=1)
+        self.steps.move_to_end((n, 1, context_bucket(longest)))
+        cupy.cuda.runtime.memcpyAsync(buf.ids.data.ptr, now.step.targets.data.ptr, 4 * n,
+                                      cupy.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
+        self._verify_and_copy_back(step, buf, slot)
+        return Launched(list(seqs), [(s.num_cached + 1, s.block_table[(s.num_cached + 1) // bs]) for s in seqs],
+                        step, buf, slot)
 
     def _copy(self, src: Any, dst: Any, kind: int) -> None:
         """Queue a copy between a device array and a page-locked host array on the graphs' stream. A host array
-        is written (staging) or read (read-back) only while no copy of it is pending: each step synchronises on
-        its read-back before it stages the next."""
+        is written (staging) or read (read-back) only while no copy of it is pending: see HostSlot."""
         ptr = lambda a: a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr  # noqa: E731
         cupy.cuda.runtime.memcpyAsync(ptr(dst), ptr(src), dst.nbytes, kind, self.stream.ptr)

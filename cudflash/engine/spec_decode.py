@@ -97,10 +97,13 @@ def _graphed_step(runner: ModelRunner, decodes: list, q: int, mark: Callable[[st
     """The same step for decodes only, as graph replays: propose, verify, one read-back, accept; the drafter's
     context update runs on the device meanwhile (cuda_graph.py)."""
     graphs, b = runner.graphs, runner.backend
-    mask = runner.draft_cfg.mask_token_id if q > 1 else 0
-    step, buf = graphs.propose(decodes, q, mask)
+    if q == 1:  # plain decoding, queued one step ahead
+        targets, logits = graphs.decode(decodes, mark)
+        groups = [VerifyGroup(s, i, np.zeros(0, dtype=np.int64)) for i, s in enumerate(decodes)]
+        return verify_tokens(b, logits, groups, argmax=targets)
+    step, buf, slot = graphs.propose(decodes, q, runner.draft_cfg.mask_token_id)
     mark("propose")
-    targets, drafts = graphs.verify(step, buf)
+    targets, drafts = graphs.verify(step, buf, slot)
     mark("verify")
     groups = [VerifyGroup(s, i * q, drafts[i].astype(np.int64)) for i, s in enumerate(decodes)]
     return verify_tokens(b, step.logits, groups, argmax=targets.reshape(-1))

@@ -20,15 +20,17 @@ from cudflash.engine.sequence import Sequence
 
 
 def fill_step_inputs(packed: np.ndarray, n: int, q: int, seqs: Seq[Sequence], mask: int, block_size: int,
-                     dummy_block: int) -> int:
+                     dummy_block: int, ahead: int = 0) -> int:
     """Fill `packed` (the layout above, any max_blocks) for `seqs` (at most n of them); returns the longest
-    context (num_cached + q of a sequence, q for padding)."""
+    context (num_cached + ahead + q of a sequence, q for padding). `ahead` stages the step after the one in
+    flight, `ahead` positions further on (plain decoding, cuda_graph.StepGraphs.decode): its pending token is not
+    known yet, so ids hold each sequence's last token until the device writes the new one."""
     nq = n * q
     max_blocks = (len(packed) - 3 * nq - n) // n
     ids, positions, slots, ctx = [mask] * nq, list(range(q)) * n, [-1] * nq, [q] * n
     tables = packed[3 * nq + n:]
     for i, s in enumerate(seqs):
-        first, start, table = i * q, s.num_cached, s.block_table
+        first, start, table = i * q, s.num_cached + ahead, s.block_table
         ids[first] = s.last_token
         for j in range(q):
             pos = start + j

@@ -91,3 +91,44 @@ def test_captured_kernels_use_programmatic_dependent_launch(tiny_pair, goldens, 
     launched.clear()
     assert run() == with_pdl
     assert not launched
+
+
+def _plain_decoding_run(tiny_pair, prompts: list[list[int]], params: list[SamplingParams], late: int,
+                        pipeline: bool) -> tuple[dict[int, list[int]], int]:
+    """A fresh target-only LLM (so that no prefix cache differs between runs) serves `prompts`, the one at index
+    `late` added only after a few steps (its prefill then shares an eager step with the others' decodes); every
+    request's tokens by index, and how many steps were found already queued."""
+    llm = LLM(tiny_pair / "target", backend="cuda")
+    llm.runner.graphs.pipeline = pipeline
+    ids = {i: llm.add_request(p, q) for i, (p, q) in enumerate(zip(prompts, params)) if i != late}
+    for _ in range(5):
+        llm.step()
+    ids[late] = llm.add_request(prompts[late], params[late])
+    while llm.has_unfinished():
+        llm.step()
+    return {i: llm.requests.pop(r).output_ids for i, r in ids.items()}, llm.runner.graphs.num_run_ahead
+
+
+def test_plain_decoding_queued_one_step_ahead_gives_the_same_tokens(tiny_pair, goldens):
+    """Plain decoding queues step k + 1 before waiting for step k. Whatever the queued step's fate (taken; or
+    dropped because a request stopped on a stop token, ran out of max_tokens, or a new prompt joined the batch),
+    the tokens equal those of the same schedule run without queueing ahead; a sampled request turns queueing off
+    for its batch without changing its tokens."""
+    prompts = [g["prompt_ids"] for g in goldens[:5]]
+    first = LLM(tiny_pair / "target", backend="cuda").generate(prompts[:1], SamplingParams(max_tokens=40,
+                                                                                          ignore_eos=True))
+    stop_token = first[0].token_ids[20]  # a token the first request emits mid-way: it stops there
+    params = [SamplingParams(max_tokens=60, stop_token_ids=[stop_token]), SamplingParams(max_tokens=23),
+              SamplingParams(max_tokens=64, ignore_eos=True), SamplingParams(max_tokens=50, ignore_eos=True),
+              SamplingParams(max_tokens=30, ignore_eos=True)]
+    ahead, taken = _plain_decoding_run(tiny_pair, prompts, params, late=3, pipeline=True)
+    assert taken > 40  # most steps were queued ahead
+    plain, none = _plain_decoding_run(tiny_pair, prompts, params, late=3, pipeline=False)
+    assert none == 0
+    assert ahead == plain
+    assert len(ahead[0]) < 60 and ahead[0][-1] == stop_token  # the stop really dropped a queued step
+    sampled = list(params)
+    sampled[2] = SamplingParams(max_tokens=64, temperature=0.8, seed=7)
+    ahead, _ = _plain_decoding_run(tiny_pair, prompts, sampled, late=3, pipeline=True)
+    plain, _ = _plain_decoding_run(tiny_pair, prompts, sampled, late=3, pipeline=False)
+    assert ahead == plain
