@@ -174,6 +174,10 @@ def bench_batch(llm: LLM, batch: int, prompt_len: int, steps: int, warmup: int, 
         llm.abort(i)
         llm.requests.pop(i)
     tau = statistics.mean(accepted) if measured_tau else PROJECTED_TAU
+    # A step runs from the event before it to the event after its accept. Plain decoding queues each next step
+    # before it waits (cuda_graph.StepGraphs.decode), so the device passes both events only as the step queued in
+    # front of them completes: the AR time is then the interval between two step completions, which is what a user
+    # gets per token, any idle device time included.
     spec_ms, ar_ms = spec_timer.mean_ms("start", "accept"), ar_timer.mean_ms("start", "accept")
     propose_ms = spec_timer.mean_ms("start", "propose")
     verify_ms = spec_timer.mean_ms("propose", "verify")
