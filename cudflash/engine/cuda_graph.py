@@ -80,8 +80,8 @@ class HostSlot:
 class StepBuffers:
     """Static inputs of one (padded batch, block width): the host writes them before each replay.
 
-    The per-step inputs are views into one packed int32 buffer, staged from a page-locked mirror of the same
-    layout (`inputs` gives the views of either) with ONE asynchronous copy on the graphs' stream: ordered behind
+    The per-step inputs are views into one packed int32 buffer (staging.py states its layout), staged from a
+    page-locked mirror of the same layout with ONE asynchronous copy on the graphs' stream: ordered behind
     the previous step's graphs, which read its positions and slots, without the host waiting for them.
     """
 
@@ -101,32 +101,12 @@ class StepBuffers:
         slot.done.synchronize()
         return slot
 
-    def inputs(self, packed: Any) -> tuple[Any, Any, Any, Any, Any]:
-        """Views of step_in or host_in: ids [n q] ([pending token, MASK x (q-1)] per sequence), positions [n q],
-        slots [n q] (-1 for padded sequences), context_lens [n], block_tables [n, max_blocks]."""
-        nq, n = self.n * self.q, self.n
-        return (packed[:nq], packed[nq:2 * nq], packed[2 * nq:3 * nq], packed[3 * nq:3 * nq + n],
-                packed[3 * nq + n:].reshape(n, -1))
-
-    @property
-    def ids(self) -> cupy.ndarray:
-        return self.inputs(self.step_in)[0]
-
-    @property
-    def positions(self) -> cupy.ndarray:
-        return self.inputs(self.step_in)[1]
-
-    @property
-    def slots(self) -> cupy.ndarray:
-        return self.inputs(self.step_in)[2]
-
-    @property
-    def context_lens(self) -> cupy.ndarray:
-        return self.inputs(self.step_in)[3]
-
-    @property
-    def block_tables(self) -> cupy.ndarray:
-        return self.inputs(self.step_in)[4]
+    def __post_init__(self) -> None:
+        # Views of step_in, the graphs' inputs: ids [n q] ([pending token, MASK x (q-1)] per sequence),
+        # positions [n q], slots [n q] (-1 for padded sequences), context_lens [n], block_tables [n, max_blocks].
+        nq, n, packed = self.n * self.q, self.n, self.step_in
+        self.ids, self.positions, self.slots = packed[:nq], packed[nq:2 * nq], packed[2 * nq:3 * nq]
+        self.context_lens, self.block_tables = packed[3 * nq:3 * nq + n], packed[3 * nq + n:].reshape(n, -1)
 
 
 @dataclass
