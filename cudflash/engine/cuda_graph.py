@@ -2,7 +2,8 @@
 
 Three graphs per (padded batch, block width, context bucket), captured lazily with CuPy's stream API:
 - propose graph: drafter forward over the block -> LM head on the mask rows -> argmax -> the drafts written
-  into the verify ids on the device (absent with block width 1, plain decoding);
+  into the verify ids on the device (absent with block width 1, plain decoding, and for drafters whose heads walk
+  or cut on the host, DFlash2 and DSpark: their proposer runs eagerly and `verify_drafts` stages its drafts);
 - verify graph: target forward over [pending token, drafts] -> float32 logits -> argmax (and the taps);
 - context graph: the drafter's context update from the taps of EVERY block row: fc -> hidden_norm -> stacked
   K/V GEMM -> k_norm + RoPE -> drafter cache at the block's positions.
@@ -73,6 +74,7 @@ class HostSlot:
 
     host_in: np.ndarray  # int32, the layout of StepBuffers.step_in
     host_out: np.ndarray  # int32 [n q + n (q - 1)]: targets | drafts, copied back after verify
+    verify_in: np.ndarray  # int32 [n q]: verify ids of drafts proposed on the host (`verify_drafts`)
     done: cupy.cuda.Event  # recorded behind the read-back of the last step that used this slot
 
 
@@ -155,7 +157,8 @@ class StepGraphs:
         self.max_blocks, self.dummy_block, self.max_bytes = max_blocks, dummy_block, max_bytes
         self.stream = cupy.cuda.get_current_stream()
         self.buffers: dict[tuple[int, int], StepBuffers] = {}
-        # (padded batch, block width, context bucket) -> captured step, least recently used first
+        # (padded batch, block width, context bucket, with a propose graph) -> captured step, least recently used
+        # first
         self.steps: OrderedDict[tuple[int, int, int], CapturedStep] = OrderedDict()
         self.num_captures = 0
         self.pipeline = RUN_AHEAD  # plain decoding queues the next step before waiting for this one (`decode`)
@@ -178,7 +181,7 @@ class StepGraphs:
                 n, q, z(3 * n * q + n + n * self.max_blocks), cupy.asarray(np.arange(n + 1, dtype=np.int32) * q),
                 cupy.asarray(block_rows(n, q, 1, q - 1).astype(np.int32)), z(n * q),
                 [HostSlot(pinned_int32(3 * n * q + n + n * self.max_blocks), pinned_int32(n * q + n * (q - 1)),
-                          cupy.cuda.Event(disable_timing=True)) for _ in range(2)])
+                          pinned_int32(n * q), cupy.cuda.Event(disable_timing=True)) for _ in range(2)])
         return self.buffers[key]
 
     def stage(self, seqs: list[Sequence], q: int, mask: int, ahead: int = 0) -> tuple[StepBuffers, HostSlot, int]:
@@ -228,7 +231,7 @@ class StepGraphs:
         graph.upload(self.stream)
         return graph, out
 
-    def _capture(self, buf: StepBuffers, ctx_bucket: int, speculative: bool) -> CapturedStep:
+    def _capture(self, buf: StepBuffers, ctx_bucket: int, speculative: bool, with_propose: bool) -> CapturedStep:
         # The eager warm-ups run on the staged inputs: they write the KV slots the replay writes next, with the
         # same values.
         meta = self._meta(buf, ctx_bucket)
@@ -237,7 +240,7 @@ class StepGraphs:
         pool = cupy.cuda.MemoryPool()
         with cupy.cuda.using_allocator(pool.malloc):
             propose_graph = drafts = context_graph = None
-            if speculative:
+            if with_propose:
                 propose_graph, drafts = self._graph(self._propose_forward, buf, meta)
             verify_graph, (targets, logits, taps) = self._graph(self._verify_forward, buf, meta, speculative)
             if speculative:
@@ -246,11 +249,12 @@ class StepGraphs:
         return CapturedStep(propose_graph, verify_graph, context_graph, drafts, targets, logits, pool,
                             keep=[taps, meta])
 
-    def _step_for(self, buf: StepBuffers, ctx_bucket: int, speculative: bool) -> CapturedStep:
+    def _step_for(self, buf: StepBuffers, ctx_bucket: int, speculative: bool,
+                  with_propose: bool) -> CapturedStep:
         """The captured step of this shape, captured now if new (evicting the least recently used past the bound)."""
-        key = (buf.n, buf.q, ctx_bucket)
+        key = (buf.n, buf.q, ctx_bucket, with_propose)
         if key not in self.steps:
-            self.steps[key] = self._capture(buf, ctx_bucket, speculative)
+            self.steps[key] = self._capture(buf, ctx_bucket, speculative, with_propose)
             while len(self.steps) > 1 and self.nbytes > self.max_bytes:
                 _, old = self.steps.popitem(last=False)
                 self.stream.synchronize()  # a step queued ahead may still be running on the graphs released here
@@ -262,10 +266,27 @@ class StepGraphs:
         """Stage the step's inputs, capture its graphs if this shape is new, replay the propose graph."""
         self.pending = None  # a step queued ahead by `decode` is not this one
         buf, slot, ctx_bucket = self.stage(seqs, q, mask)
-        step = self._step_for(buf, ctx_bucket, q > 1)
+        step = self._step_for(buf, ctx_bucket, q > 1, q > 1)
         if step.propose_graph is not None:
             step.propose_graph.launch(self.stream)
         return step, buf, slot
+
+    def verify_drafts(self, seqs: list[Sequence], q: int, mask: int,
+                      drafts: list[np.ndarray]) -> tuple[CapturedStep, np.ndarray]:
+        """The verify and context graphs behind drafts proposed eagerly (any drafter but plain DFlash: their heads
+        walk and cut on the host): stage the step, write [pending token, drafts] into the verify ids, replay;
+        (the captured step, targets [n, q]). A sequence with fewer than q - 1 drafts is verified over the whole
+        block (its masks in place of the missing drafts); acceptance reads only the rows of its drafts."""
+        self.pending = None
+        buf, slot, ctx_bucket = self.stage(seqs, q, mask)
+        ids = slot.verify_in
+        ids[:] = slot.host_in[:buf.n * q]  # [pending token, MASK x (q - 1)] per sequence, as staged
+        for i, d in enumerate(drafts):
+            ids[i * q + 1:i * q + 1 + len(d)] = d
+        self._copy(ids, buf.verify_ids, cupy.cuda.runtime.memcpyHostToDevice)
+        step = self._step_for(buf, ctx_bucket, True, False)
+        targets, _ = self.verify(step, buf, slot)
+        return step, targets
 
     def verify(self, step: CapturedStep, buf: StepBuffers, slot: HostSlot) -> tuple[np.ndarray, np.ndarray]:
         """Replay the verify graph, copy (targets [n, q], drafts [n, q - 1]) back, queue the context graph behind
@@ -298,7 +319,7 @@ class StepGraphs:
         else:
             buf, slot, ctx_bucket = self.stage(seqs, 1, 0)
             now = Launched(list(seqs), [(s.num_cached, s.block_table[s.num_cached // bs]) for s in seqs],
-                           self._step_for(buf, ctx_bucket, False), buf, slot)
+                           self._step_for(buf, ctx_bucket, False, False), buf, slot)
             self._verify_and_copy_back(now.step, buf, slot)
         mark("propose")
         if self.pipeline and self._can_run_ahead(seqs):
@@ -325,11 +346,12 @@ class StepGraphs:
         bs = self.runner.blocks.block_size
         n = batch_bucket(len(seqs))
         longest = max(s.num_cached + 2 for s in seqs)
-        step = self.steps.get((n, 1, context_bucket(longest)))
+        key = (n, 1, context_bucket(longest), False)
+        step = self.steps.get(key)
         if step is None:
             return None
         buf, slot, _ = self.stage(seqs, 1, 0, ahead=1)
-        self.steps.move_to_end((n, 1, context_bucket(longest)))
+        self.steps.move_to_end(key)
         cupy.cuda.runtime.memcpyAsync(buf.ids.data.ptr, now.step.targets.data.ptr, 4 * n,
                                       cupy.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
         self._verify_and_copy_back(step, buf, slot)

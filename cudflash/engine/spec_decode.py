@@ -23,13 +23,15 @@ def engine_step(runner: ModelRunner, plan: StepPlan, block: int, proposer: Propo
     """Advance every planned sequence; appends emitted tokens and acceptance lengths to the sequences.
 
     `mark(phase)` is called as each phase ends ("propose", "verify", "accept"): benchmarks put events there.
-    A step with decodes only runs through CUDA graphs where the backend has them (the default drafter).
+    A step with decodes only runs through CUDA graphs where the backend has them: all of it for plain decoding and
+    the default drafter, the verify and the drafter's context update behind any other proposer.
     """
     speculative = block > 1 and runner.draft is not None
     graphed = (runner.graphs is not None and plan.decodes and not plan.prefills
-               and runner.graphs.fits(len(plan.decodes)) and (not speculative or proposer is dflash_propose))
+               and runner.graphs.fits(len(plan.decodes)))
     if graphed:
-        first_tokens, decode_emitted = [], _graphed_step(runner, plan.decodes, block if speculative else 1, mark)
+        first_tokens, decode_emitted = [], _graphed_step(runner, plan.decodes, block if speculative else 1,
+                                                         proposer, mark)
     else:
         first_tokens, decode_emitted = _eager_step(runner, plan, block, speculative, proposer, mark)
 
@@ -93,17 +95,29 @@ def _eager_step(runner: ModelRunner, plan: StepPlan, block: int, speculative: bo
     return [(g.seq, t) for g, t in zip(groups[:num_first], emitted[:num_first])], decode_emitted
 
 
-def _graphed_step(runner: ModelRunner, decodes: list, q: int, mark: Callable[[str], None]) -> list[list[int]]:
+def _graphed_step(runner: ModelRunner, decodes: list, q: int, proposer: Proposer,
+                  mark: Callable[[str], None]) -> list[list[int]]:
     """The same step for decodes only, as graph replays: propose, verify, one read-back, accept; the drafter's
-    context update runs on the device meanwhile (cuda_graph.py)."""
+    context update runs on the device meanwhile (cuda_graph.py). A proposer other than dflash_propose runs
+    eagerly (its heads work on the host) in front of the verify graph."""
     graphs, b = runner.graphs, runner.backend
     if q == 1:  # plain decoding, queued one step ahead
         targets, logits = graphs.decode(decodes, mark)
         groups = [VerifyGroup(s, i, np.zeros(0, dtype=np.int64)) for i, s in enumerate(decodes)]
         return verify_tokens(b, logits, groups, argmax=targets)
-    step, buf, slot = graphs.propose(decodes, q, runner.draft_cfg.mask_token_id)
-    mark("propose")
-    targets, drafts = graphs.verify(step, buf, slot)
+    mask = runner.draft_cfg.mask_token_id
+    if proposer is dflash_propose:
+        step, buf, slot = graphs.propose(decodes, q, mask)
+        mark("propose")
+        targets, drafts = graphs.verify(step, buf, slot)
+        proposal = Proposal([d.astype(np.int64) for d in drafts])
+    else:
+        draft_batch = runner.batch(decodes, [[s.last_token] + [mask] * (q - 1) for s in decodes],
+                                   [s.num_cached for s in decodes])
+        proposal = proposer(runner, draft_batch, decodes, q)
+        mark("propose")
+        step, targets = graphs.verify_drafts(decodes, q, mask, proposal.drafts)
     mark("verify")
-    groups = [VerifyGroup(s, i * q, drafts[i].astype(np.int64)) for i, s in enumerate(decodes)]
+    groups = [VerifyGroup(s, i * q, proposal.drafts[i], proposal.q[i] if proposal.q is not None else None)
+              for i, s in enumerate(decodes)]
     return verify_tokens(b, step.logits, groups, argmax=targets.reshape(-1))

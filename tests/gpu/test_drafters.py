@@ -141,3 +141,21 @@ def test_selector_sampling_matches_the_target_distribution(tmp_path):
     pvalues = [chi_square_pvalue(np.bincount(tokens[:, i], minlength=vocab), p) for i, p in enumerate((p1, p2))]
     assert min(pvalues) > 1e-3, pvalues
     assert np.mean([a for o in outs for a in o.acceptance_lengths]) > 1.2
+
+
+def test_graphed_verify_gives_the_eager_tokens(pair):
+    """Drafters whose heads walk or cut on the host (DFlash2, DSpark) propose eagerly and verify through the
+    captured verify and context graphs: the tokens and acceptance lengths of the all-eager step. Batches are
+    whole graph buckets (1 and 2), so both paths run the target's GEMMs at the same row counts. DSpark cuts its
+    drafts at a confidence threshold: sequences verify fewer drafts than the block holds."""
+    paths, kind = pair
+    options = {"confidence_threshold": 0.5} if kind.startswith("dspark") else None
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    runs = []
+    for eager in (True, False):
+        llm = _llm(paths, enforce_eager=eager, draft_options=options)
+        outs = [o for batch in ([PROMPTS[0]], [PROMPTS[2]], PROMPTS[:2]) for o in llm.generate(batch, params)]
+        runs.append([(o.token_ids, o.acceptance_lengths) for o in outs])
+        if not eager:
+            assert llm.runner.graphs.num_captures > 0
+    assert runs[1] == runs[0]
