@@ -164,9 +164,20 @@ class CudaBackend:
         return cupy.zeros(shape, dtype=cupy.int32 if dtype == "i32" else cupy.float32)
 
     def cat(self, xs: list[cupy.ndarray], axis: int = 0) -> cupy.ndarray:
-        if xs and xs[0].dtype == self.act:
-            return cupy.concatenate([bits(x) for x in xs], axis=axis).view(self.act)
-        return cupy.concatenate(xs, axis=axis)
+        """One copy per piece into the output: cupy.concatenate of many pieces uploads a table of their addresses
+        from the host, which a stream capturing a CUDA graph refuses (the drafter heads' walk, cuda_graph.py)."""
+        act = bool(xs) and xs[0].dtype == self.act
+        xs = [bits(x) for x in xs] if act else list(xs)
+        shape = list(xs[0].shape)
+        shape[axis] = sum(x.shape[axis] for x in xs)
+        out = cupy.empty(shape, dtype=xs[0].dtype)
+        at = [slice(None)] * len(shape)
+        start = 0
+        for x in xs:
+            at[axis] = slice(start, start + x.shape[axis])
+            out[tuple(at)] = x
+            start += x.shape[axis]
+        return out.view(self.act) if act else out
 
     def take_rows(self, x: cupy.ndarray, rows: Any) -> cupy.ndarray:
         rows = device_i32(rows)

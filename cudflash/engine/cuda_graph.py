@@ -2,8 +2,10 @@
 
 Three graphs per (padded batch, block width, context bucket), captured lazily with CuPy's stream API:
 - propose graph: drafter forward over the block -> LM head on the mask rows -> argmax -> the drafts written
-  into the verify ids on the device (absent with block width 1, plain decoding, and for drafters whose heads walk
-  or cut on the host, DFlash2 and DSpark: their proposer runs eagerly and `verify_drafts` stages its drafts);
+  into the verify ids on the device (absent with block width 1, plain decoding). For the other drafter families
+  (DFlash2, DSpark: propose.DraftProposer) it holds the device part of their heads (drafter forward, logits, the
+  selector's pair scores or the Markov walk); the host part (selector walk, confidence cuts) reads its outputs and
+  `verify_drafts` stages the drafts;
 - verify graph: target forward over [pending token, drafts] -> float32 logits -> argmax (and the taps);
 - context graph: the drafter's context update from the taps of EVERY block row: fc -> hidden_norm -> stacked
   K/V GEMM -> k_norm + RoPE -> drafter cache at the block's positions.
@@ -51,7 +53,7 @@ import numpy as np
 
 from cudflash.backends.base import AttentionMeta
 from cudflash.backends.cuda_attention import DeviceMeta, batch_bucket, context_bucket
-from cudflash.engine.propose import block_rows
+from cudflash.engine.propose import DraftProposer, HeadOutputs, HeadRows, block_rows, head_rows
 from cudflash.engine.sequence import Sequence
 from cudflash.engine.staging import fill_step_inputs
 from cudflash.models.batch import ForwardBatch
@@ -95,6 +97,7 @@ class StepBuffers:
     verify_ids: cupy.ndarray  # int32 [n * q]: ids with the drafts in place of the masks (written on the device)
     host: list[HostSlot]  # two, used in turn
     turn: int = 0
+    head_rows: HeadRows | None = None  # index rows of the drafter heads (DraftProposer), made on first use
 
     def take_slot(self) -> HostSlot:
         """The next host slot, once the last step that used it has copied its outputs back."""
@@ -138,6 +141,7 @@ class CapturedStep:
     logits: cupy.ndarray  # float32 [n * q, V]
     pool: Any  # cupy.cuda.MemoryPool private to this step's graphs
     keep: list[Any] = field(default_factory=list)  # everything else the graphs reference
+    head_out: HeadOutputs | None = None  # the propose graph's outputs for a DraftProposer
 
     @property
     def nbytes(self) -> int:
@@ -146,7 +150,7 @@ class CapturedStep:
     def release(self) -> None:
         """Drop the graphs and everything they reference, then hand the pool's memory back to the device."""
         self.propose_graph = self.verify_graph = self.context_graph = None
-        self.drafts = self.targets = self.logits = None
+        self.drafts = self.targets = self.logits = self.head_out = None
         self.keep.clear()
         self.pool.free_all_blocks()
 
@@ -231,7 +235,12 @@ class StepGraphs:
         graph.upload(self.stream)
         return graph, out
 
-    def _capture(self, buf: StepBuffers, ctx_bucket: int, speculative: bool, with_propose: bool) -> CapturedStep:
+    def _heads_forward(self, buf: StepBuffers, meta: AttentionMeta, proposer: DraftProposer) -> HeadOutputs:
+        r = self.runner
+        return proposer.device_part(r, ForwardBatch(buf.ids, buf.positions, buf.slots, meta), buf.head_rows)
+
+    def _capture(self, buf: StepBuffers, ctx_bucket: int, speculative: bool,
+                 proposer: DraftProposer | str | None) -> CapturedStep:
         # The eager warm-ups run on the staged inputs: they write the KV slots the replay writes next, with the
         # same values.
         meta = self._meta(buf, ctx_bucket)
@@ -239,22 +248,26 @@ class StepGraphs:
         # share memory with each other, but never with another step's graphs (whose outputs stay alive).
         pool = cupy.cuda.MemoryPool()
         with cupy.cuda.using_allocator(pool.malloc):
-            propose_graph = drafts = context_graph = None
-            if with_propose:
+            propose_graph = drafts = context_graph = head_out = None
+            if proposer == "dflash":
                 propose_graph, drafts = self._graph(self._propose_forward, buf, meta)
+            elif proposer is not None:
+                propose_graph, head_out = self._graph(self._heads_forward, buf, meta, proposer)
             verify_graph, (targets, logits, taps) = self._graph(self._verify_forward, buf, meta, speculative)
             if speculative:
                 context_graph, _ = self._graph(self._context_forward, buf, taps)
         self.num_captures += 1
         return CapturedStep(propose_graph, verify_graph, context_graph, drafts, targets, logits, pool,
-                            keep=[taps, meta])
+                            keep=[taps, meta], head_out=head_out)
 
     def _step_for(self, buf: StepBuffers, ctx_bucket: int, speculative: bool,
-                  with_propose: bool) -> CapturedStep:
-        """The captured step of this shape, captured now if new (evicting the least recently used past the bound)."""
-        key = (buf.n, buf.q, ctx_bucket, with_propose)
+                  proposer: DraftProposer | str | None) -> CapturedStep:
+        """The captured step of this shape, captured now if new (evicting the least recently used past the bound).
+        proposer: what the propose graph holds: "dflash" (plain DFlash, drafts written on the device), a
+        DraftProposer (its device part), or None (no propose graph)."""
+        key = (buf.n, buf.q, ctx_bucket, proposer if proposer is None or isinstance(proposer, str) else id(proposer))
         if key not in self.steps:
-            self.steps[key] = self._capture(buf, ctx_bucket, speculative, with_propose)
+            self.steps[key] = self._capture(buf, ctx_bucket, speculative, proposer)
             while len(self.steps) > 1 and self.nbytes > self.max_bytes:
                 _, old = self.steps.popitem(last=False)
                 self.stream.synchronize()  # a step queued ahead may still be running on the graphs released here
@@ -262,31 +275,37 @@ class StepGraphs:
         self.steps.move_to_end(key)
         return self.steps[key]
 
-    def propose(self, seqs: list[Sequence], q: int, mask: int) -> tuple[CapturedStep, StepBuffers, HostSlot]:
-        """Stage the step's inputs, capture its graphs if this shape is new, replay the propose graph."""
+    def propose(self, seqs: list[Sequence], q: int, mask: int,
+                proposer: DraftProposer | None = None) -> tuple[CapturedStep, StepBuffers, HostSlot]:
+        """Stage the step's inputs, capture its graphs if this shape is new, replay the propose graph: plain DFlash's
+        (drafts into the verify ids on the device), or a DraftProposer's device part (its host part then reads
+        step.head_out, and `verify_drafts` stages the drafts)."""
         self.pending = None  # a step queued ahead by `decode` is not this one
         buf, slot, ctx_bucket = self.stage(seqs, q, mask)
-        step = self._step_for(buf, ctx_bucket, q > 1, q > 1)
-        if step.propose_graph is not None:
-            step.propose_graph.launch(self.stream)
+        if proposer is not None and buf.head_rows is None:
+            buf.head_rows = head_rows(self.b, buf.n, q, proposer.first_row(self.runner))
+        step = self._step_for(buf, ctx_bucket, q > 1, proposer if proposer is not None else "dflash")
+        step.propose_graph.launch(self.stream)
         return step, buf, slot
 
-    def verify_drafts(self, seqs: list[Sequence], q: int, mask: int,
-                      drafts: list[np.ndarray]) -> tuple[CapturedStep, np.ndarray]:
-        """The verify and context graphs behind drafts proposed eagerly (any drafter but plain DFlash: their heads
-        walk and cut on the host): stage the step, write [pending token, drafts] into the verify ids, replay;
-        (the captured step, targets [n, q]). A sequence with fewer than q - 1 drafts is verified over the whole
-        block (its masks in place of the missing drafts); acceptance reads only the rows of its drafts."""
+    def stage_drafts(self, seqs: list[Sequence], q: int, mask: int) -> tuple[CapturedStep, StepBuffers, HostSlot]:
+        """Stage the step of a proposer that ran eagerly (no propose graph); `verify_drafts` follows."""
         self.pending = None
         buf, slot, ctx_bucket = self.stage(seqs, q, mask)
+        return self._step_for(buf, ctx_bucket, True, None), buf, slot
+
+    def verify_drafts(self, step: CapturedStep, buf: StepBuffers, slot: HostSlot,
+                      drafts: list[np.ndarray]) -> np.ndarray:
+        """Write [pending token, drafts] of drafts proposed on the host into the verify ids, replay the verify and
+        context graphs; targets [n, q]. A sequence with fewer than q - 1 drafts is verified over the whole block
+        (masks in place of the missing drafts); acceptance reads only the rows of its drafts."""
+        q = buf.q
         ids = slot.verify_in
         ids[:] = slot.host_in[:buf.n * q]  # [pending token, MASK x (q - 1)] per sequence, as staged
         for i, d in enumerate(drafts):
             ids[i * q + 1:i * q + 1 + len(d)] = d
         self._copy(ids, buf.verify_ids, cupy.cuda.runtime.memcpyHostToDevice)
-        step = self._step_for(buf, ctx_bucket, True, False)
-        targets, _ = self.verify(step, buf, slot)
-        return step, targets
+        return self.verify(step, buf, slot)[0]
 
     def verify(self, step: CapturedStep, buf: StepBuffers, slot: HostSlot) -> tuple[np.ndarray, np.ndarray]:
         """Replay the verify graph, copy (targets [n, q], drafts [n, q - 1]) back, queue the context graph behind
@@ -319,7 +338,7 @@ class StepGraphs:
         else:
             buf, slot, ctx_bucket = self.stage(seqs, 1, 0)
             now = Launched(list(seqs), [(s.num_cached, s.block_table[s.num_cached // bs]) for s in seqs],
-                           self._step_for(buf, ctx_bucket, False, False), buf, slot)
+                           self._step_for(buf, ctx_bucket, False, None), buf, slot)
             self._verify_and_copy_back(now.step, buf, slot)
         mark("propose")
         if self.pipeline and self._can_run_ahead(seqs):
@@ -346,7 +365,7 @@ class StepGraphs:
         bs = self.runner.blocks.block_size
         n = batch_bucket(len(seqs))
         longest = max(s.num_cached + 2 for s in seqs)
-        key = (n, 1, context_bucket(longest), False)
+        key = (n, 1, context_bucket(longest), None)
         step = self.steps.get(key)
         if step is None:
             return None

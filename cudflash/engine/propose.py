@@ -24,7 +24,7 @@ its prediction is not computed. DSpark options, both off by default (then every 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -74,29 +74,86 @@ def adaptive_lengths(conf: np.ndarray, limit: np.ndarray, verify_cost: float) ->
     return np.bincount(seq[order[:best]], minlength=n)
 
 
+@dataclass(slots=True)
+class HeadRows:
+    """Index rows of a block batch (n sequences x `block` rows) for the drafter heads, int32 on the backend: built
+    once per shape, outside any CUDA graph (a graph cannot copy them from the host)."""
+
+    draft: Any  # [n S]: block-batch rows whose outputs become the S = block - 1 drafts, sequence-major
+    anchor: Any  # [n]: each sequence's first block row (its pending token, the anchor of the walks)
+    by_slot: Any  # [S, n]: index of (slot e, sequence i) among the n S draft rows
+    pred: Any  # [n S]: the selector's predecessor row: slot e - 1's, or n S + i (the anchor) for slot 0
+
+
+def head_rows(b: Any, n: int, block: int, first: int) -> HeadRows:
+    slots = block - 1
+    pred = np.arange(n * slots) - 1
+    pred[::slots] = n * slots + np.arange(n)
+    arrays = (block_rows(n, block, first, slots), np.arange(n) * block,
+              np.arange(n)[None, :] * slots + np.arange(slots)[:, None], pred)
+    return HeadRows(*(b.asarray(a.astype(np.int32), "i32") for a in arrays))
+
+
+@dataclass(slots=True)
+class HeadOutputs:
+    """What a drafter's heads compute on the device for a block batch (DraftProposer.device_part)."""
+
+    h: Any  # [n S, H]: the drafter's hidden rows of the drafts
+    drafts: Any | None = None  # int32 target ids: [S n] slot-major (Markov walk) or [n S] (argmax)
+    slot_major: bool = False
+    scores: Any | None = None  # float32 [n S, K, K]: the selector's pair scores
+    cand: Any | None = None  # int32 [n S, K]: the selector's candidates (target ids)
+
+
 class DraftProposer:
+    """Every drafter family but plain DFlash, in two parts: `device_part`, backend ops only (a CUDA graph holds it:
+    cuda_graph.StepGraphs.propose), and `host_part`, the selector walk, confidence cuts and read-back."""
+
     def __init__(self, runner: ModelRunner, options: DraftOptions | None = None):
         self.opts = options or DraftOptions()
         runner.draft.check_target(runner.target_cfg)
 
     def __call__(self, runner: ModelRunner, batch: ForwardBatch, seqs: list[Sequence], block: int) -> Proposal:
+        b, n = runner.backend, len(seqs)
+        rows = head_rows(b, n, block, self.first_row(runner))
+        return self.host_part(runner, self.device_part(runner, batch, rows), seqs, block)
+
+    @staticmethod
+    def first_row(runner: ModelRunner) -> int:
+        return 0 if runner.draft_cfg.shifted_rows else 1
+
+    @staticmethod
+    def device_part(runner: ModelRunner, batch: ForwardBatch, rows: HeadRows) -> HeadOutputs:
+        b, draft = runner.backend, runner.draft
+        h = b.take_rows(runner.draft_forward(batch), rows.draft)  # [n S, H]
+        logits = draft.logits(h, runner.target)  # [n S, Vd]
+        anchors = b.take_rows(batch.ids, rows.anchor)
+        if draft.selector is not None:
+            scores, cand = draft.selector.lattice(b, logits, h, anchors, rows.pred, draft.to_target)
+            return HeadOutputs(h, scores=scores, cand=cand)
+        if draft.markov is not None:
+            return HeadOutputs(h, draft.markov.walk(b, logits, anchors, rows.by_slot, draft.to_target), True)
+        return HeadOutputs(h, draft.to_target(b.argmax(logits)))
+
+    def host_part(self, runner: ModelRunner, out: HeadOutputs, seqs: list[Sequence], block: int) -> Proposal:
+        """The proposal of `seqs`, the first len(seqs) sequences of `out` (a CUDA graph's batch may be padded)."""
         b, draft = runner.backend, runner.draft
         n, slots = len(seqs), block - 1
-        first = 0 if runner.draft_cfg.shifted_rows else 1
-        rows = block_rows(n, block, first, slots)
-        h = b.take_rows(runner.draft_forward(batch), b.asarray(rows.astype(np.int32), "i32"))  # [n S, H]
-        logits = draft.logits(h, runner.target)  # [n S, Vd]
+        padded = out.h.shape[0] // slots
         anchors = np.array([s.last_token for s in seqs], dtype=np.int64)
         q = None
-        if draft.selector is not None:
-            drafts, q = self._select(b, draft, logits, h, anchors, seqs, runner.target_cfg.vocab_size)
-        elif draft.markov is not None:
-            drafts = draft.markov.walk(b, logits, anchors, slots, draft.to_target)
+        if out.scores is not None:
+            k = draft.selector.top_k
+            drafts, q = self._select(draft, b.to_numpy(out.scores).reshape(padded, slots, k, k)[:n],
+                                     b.to_numpy(out.cand).astype(np.int64).reshape(padded, slots, k)[:n], seqs,
+                                     runner.target_cfg.vocab_size)
         else:
-            drafts = b.to_numpy(draft.to_target(b.argmax(logits))).astype(np.int64).reshape(n, slots)
+            drafts = b.to_numpy(out.drafts).astype(np.int64)
+            drafts = (drafts.reshape(slots, padded).T if out.slot_major else drafts.reshape(padded, slots))[:n]
         lengths = np.full(n, slots)
         if self.opts.uses_confidence:
             prev = np.concatenate([anchors[:, None], drafts[:, :-1]], axis=1).reshape(-1)
+            h = out.h if padded == n else out.h[:n * slots]
             conf = draft.confidence(b, h, prev, draft.markov).reshape(n, slots)
             if self.opts.confidence_threshold > 0:
                 lengths = confident_lengths(conf, self.opts.confidence_threshold)
@@ -106,9 +163,8 @@ class DraftProposer:
                         None if q is None else [None if x is None else x[:lengths[i]] for i, x in enumerate(q)])
 
     @staticmethod
-    def _select(b, draft, logits, h, anchors, seqs, vocab):
+    def _select(draft, scores: np.ndarray, cand: np.ndarray, seqs: list[Sequence], vocab: int):
         """The selector walk of every sequence: drafts [n, S], and q (dense [S, V] per sampling sequence)."""
-        scores, cand = draft.selector.lattice(b, logits, h, anchors, logits.shape[0] // len(seqs), draft.to_target)
         drafts, qs = [], []
         for i, s in enumerate(seqs):
             tokens, q = draft.selector.walk(scores[i], cand[i], s.params.temperature, s.rng)

@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 
 from cudflash.engine.model_runner import ModelRunner
-from cudflash.engine.propose import Proposal, Proposer, dflash_propose
+from cudflash.engine.propose import DraftProposer, Proposal, Proposer, dflash_propose
 from cudflash.engine.sampler import VerifyGroup, verify_tokens
 from cudflash.engine.scheduler import StepPlan
 
@@ -98,8 +98,8 @@ def _eager_step(runner: ModelRunner, plan: StepPlan, block: int, speculative: bo
 def _graphed_step(runner: ModelRunner, decodes: list, q: int, proposer: Proposer,
                   mark: Callable[[str], None]) -> list[list[int]]:
     """The same step for decodes only, as graph replays: propose, verify, one read-back, accept; the drafter's
-    context update runs on the device meanwhile (cuda_graph.py). A proposer other than dflash_propose runs
-    eagerly (its heads work on the host) in front of the verify graph."""
+    context update runs on the device meanwhile (cuda_graph.py). A DraftProposer's device part replays as the
+    propose graph and its host part runs in between; any other proposer runs eagerly in front of the verify graph."""
     graphs, b = runner.graphs, runner.backend
     if q == 1:  # plain decoding, queued one step ahead
         targets, logits = graphs.decode(decodes, mark)
@@ -112,11 +112,16 @@ def _graphed_step(runner: ModelRunner, decodes: list, q: int, proposer: Proposer
         targets, drafts = graphs.verify(step, buf, slot)
         proposal = Proposal([d.astype(np.int64) for d in drafts])
     else:
-        draft_batch = runner.batch(decodes, [[s.last_token] + [mask] * (q - 1) for s in decodes],
-                                   [s.num_cached for s in decodes])
-        proposal = proposer(runner, draft_batch, decodes, q)
+        if isinstance(proposer, DraftProposer):  # its device part is a graph too
+            step, buf, slot = graphs.propose(decodes, q, mask, proposer)
+            proposal = proposer.host_part(runner, step.head_out, decodes, q)
+        else:  # any other proposer runs eagerly
+            draft_batch = runner.batch(decodes, [[s.last_token] + [mask] * (q - 1) for s in decodes],
+                                       [s.num_cached for s in decodes])
+            proposal = proposer(runner, draft_batch, decodes, q)
+            step, buf, slot = graphs.stage_drafts(decodes, q, mask)
         mark("propose")
-        step, targets = graphs.verify_drafts(decodes, q, mask, proposal.drafts)
+        targets = graphs.verify_drafts(step, buf, slot, proposal.drafts)
     mark("verify")
     groups = [VerifyGroup(s, i * q, proposal.drafts[i], proposal.q[i] if proposal.q is not None else None)
               for i, s in enumerate(decodes)]

@@ -51,21 +51,18 @@ class CandidateSelector:
         self.succ = loader.get("candidate_selector.successor_codebook", (vocab, rank))  # B [V, r]
         self.hidden_proj = loader.get("candidate_selector.hidden_projection.weight", (rank, hidden))  # H [r, hidden]
 
-    def lattice(self, b: Backend, logits: Any, h: Any, anchors: np.ndarray, slots: int,
-                to_target: Callable[[Any], Any]) -> tuple[np.ndarray, np.ndarray]:
-        """Pair scores of every row: (float32 [n, S, K, K] indexed (slot, predecessor candidate, candidate),
-        int64 [n, S, K] candidate target ids). Slot 0's predecessor is the anchor (repeated K times)."""
-        n, k = len(anchors), self.top_k
+    def lattice(self, b: Backend, logits: Any, h: Any, anchors: Any, pred_rows: Any,
+                to_target: Callable[[Any], Any]) -> tuple[Any, Any]:
+        """Pair scores of every row, on the backend: (float32 [n S, K, K] indexed (row, predecessor candidate,
+        candidate), int32 [n S, K] candidate target ids); rows are sequence-major. anchors: int32 [n]; pred_rows
+        (HeadRows.pred): each row's predecessor among [the n S rows' candidates ; the n anchors repeated K times],
+        so that slot 0's predecessor is the anchor. No host copy: a CUDA graph can hold it."""
+        k = self.top_k
         unary, cand = b.topk(logits, k)  # [n S, K]
         cand = to_target(cand)
-        # pred rows: slot e >= 1 takes slot e-1's candidates; slot 0 the anchor, appended after the n S rows.
-        ext = b.cat([cand, b.asarray(np.repeat(anchors[:, None], k, axis=1), "i32")], axis=0)
-        rows = np.arange(n * slots) - 1
-        rows[::slots] = n * slots + np.arange(n)
-        pred = b.take_rows(ext, b.asarray(rows.astype(np.int32), "i32"))
-        scores = b.pair_scores(unary, cand, pred, b.linear(h, self.hidden_proj), self.pred, self.succ)
-        return (b.to_numpy(scores).reshape(n, slots, k, k),
-                b.to_numpy(cand).astype(np.int64).reshape(n, slots, k))
+        anchor_rows = b.cat([anchors.reshape(-1, 1)] * k, axis=1)  # [n, K]
+        pred = b.take_rows(b.cat([cand, anchor_rows], axis=0), pred_rows)
+        return b.pair_scores(unary, cand, pred, b.linear(h, self.hidden_proj), self.pred, self.succ), cand
 
     @staticmethod
     def walk(scores: np.ndarray, cand: np.ndarray, temperature: float,
@@ -91,18 +88,16 @@ class MarkovHead:
         self.w1 = loader.get("markov_head.markov_w1.weight", (vocab, rank))  # W1 [V, r], indexed by target ids
         self.w2 = loader.get("markov_head.markov_w2.weight", (draft_vocab, rank))  # W2 [Vd, r]: r -> drafter vocab
 
-    def walk(self, b: Backend, logits: Any, anchors: np.ndarray, slots: int,
-             to_target: Callable[[Any], Any]) -> np.ndarray:
-        """Greedy left-to-right drafts, target ids int64 [n, S]; logits [n S, Vd] are the rows in sequence order."""
-        n = len(anchors)
-        prev = b.asarray(anchors.astype(np.int32), "i32")
-        out = []
-        for e in range(slots):
-            rows = b.asarray((np.arange(n) * slots + e).astype(np.int32), "i32")
+    def walk(self, b: Backend, logits: Any, anchors: Any, by_slot: Any, to_target: Callable[[Any], Any]) -> Any:
+        """Greedy left-to-right drafts, target ids int32 [S n] slot-major, on the backend (no host copy: a CUDA graph
+        can hold it); logits [n S, Vd] are the rows in sequence order, anchors int32 [n], by_slot (HeadRows.by_slot)
+        int32 [S, n] the row of each (slot, sequence)."""
+        prev, out = anchors, []
+        for e in range(by_slot.shape[0]):
             bias = b.linear(b.embedding(prev, self.w1), self.w2, out_f32=True)  # [n, Vd] float32, as the logits
-            prev = to_target(b.argmax(b.add(b.take_rows(logits, rows), bias)))
+            prev = to_target(b.argmax(b.add(b.take_rows(logits, by_slot[e]), bias)))
             out.append(prev)
-        return b.to_numpy(b.cat(out, axis=0)).astype(np.int64).reshape(slots, n).T
+        return b.cat(out, axis=0)
 
 
 class ConfidenceHead:

@@ -439,6 +439,26 @@ def test_verify_rows_equal_decode_bitwise(cb, rng, d, group, window):
 
 
 # ----------------------------------------------------------------------------------------------- graphs
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("dtype", ["act", "i32"])
+def test_cat_many_pieces_inside_cuda_graph(cb, rng, axis, dtype):
+    """cat of 15 pieces (the drafter heads' walk has one per slot) is exact, eagerly and captured in a graph
+    (cupy.concatenate of that many pieces uploads their addresses from the host, which capture refuses)."""
+    pieces = [rnd(rng, 3, 8) if dtype == "act" else rng.integers(-9, 9, (3, 8)) for _ in range(15)]
+    xs = [cb.asarray(p, dtype) for p in pieces]
+    want = np.concatenate(pieces, axis=axis)
+    cb.synchronize()
+    np.testing.assert_array_equal(cb.to_numpy(cb.cat(xs, axis=axis)), want)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        out = cb.cat(xs, axis=axis)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+    np.testing.assert_array_equal(cb.to_numpy(out), want)
+
+
 def test_gemm_inside_cuda_graph(cb, rng):
     m, n, k = 16, 1024, 512
     x = cb.asarray(rnd(rng, m, k), "act")
