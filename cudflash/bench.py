@@ -6,6 +6,7 @@ are almost never accepted, so tokens/s for them is a projection at a stated tau,
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -18,7 +19,7 @@ import numpy as np
 from cudflash.engine.llm_engine import LLM
 from cudflash.engine.spec_decode import engine_step
 from cudflash.sampling_params import SamplingParams
-from cudflash.tiny import TinyShape, draft_config, target_config
+from cudflash.tiny import TinyHeads, TinyShape, draft_config, target_config
 
 SYNTHETIC = {
     "qwen3-8b": TinyShape(arch="qwen3", vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32,
@@ -34,8 +35,9 @@ SYNTHETIC = {
 PROJECTED_TAU = 6.5
 
 
-def write_synthetic_configs(name: str, folder: Path) -> tuple[Path, Path]:
-    shape = SYNTHETIC[name]
+def write_synthetic_configs(name: str, folder: Path, drafter: str = "dflash") -> tuple[Path, Path]:
+    """config.json of the synthetic target and drafter; `drafter` picks the family of the drafter's heads."""
+    shape = dataclasses.replace(SYNTHETIC[name], heads=TinyHeads(kind=drafter))
     target, draft = folder / "target", folder / "drafter"
     for path, cfg in ((target, target_config(shape)), (draft, draft_config(shape))):
         path.mkdir(parents=True, exist_ok=True)
@@ -218,7 +220,8 @@ def format_table(results: list[BatchResult], copy_gb_s: float | None) -> str:
 def run_bench(args) -> str:
     synthetic = args.synthetic is not None
     folder = tempfile.mkdtemp(prefix="cudflash-bench-") if synthetic else None
-    target, draft = write_synthetic_configs(args.synthetic, Path(folder)) if synthetic else (args.target, args.draft)
+    target, draft = (write_synthetic_configs(args.synthetic, Path(folder), args.drafter) if synthetic
+                     else (args.target, args.draft))
     batches = [int(x) for x in str(args.batch).split(",")]
     llm = LLM(target, draft=draft, backend=args.backend, block_size=args.block_size, max_num_seqs=max(batches),
               max_num_batched_tokens=max(8192, args.prompt_len * max(batches)), random_weights=synthetic,
@@ -231,6 +234,7 @@ def run_bench(args) -> str:
                for n in batches]
     if args.json is not None:
         Path(args.json).write_text(json.dumps({"backend": llm.backend.name, "model": args.synthetic or str(target),
+                                               "drafter": args.drafter if synthetic else str(draft),
                                                "copy_gb_per_s": copy, "results": [asdict(r) for r in results]},
                                               indent=2))
     return format_table(results, copy)

@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="random weights with the exact shapes of this model and its DFlash-b16 drafter")
     source.add_argument("--target", help="target model directory (needs --draft)")
     bench.add_argument("--draft", help="drafter directory")
+    bench.add_argument("--drafter", choices=["dflash", "dflash2", "dspark"], default="dflash",
+                       help="with --synthetic: the drafter family (its DFlash-b16 backbone with this family's heads)")
     bench.add_argument("--prompt-len", type=int, default=512)
     bench.add_argument("--new", dest="steps", type=int, default=20, help="timed steps per measurement")
     bench.add_argument("--warmup", type=int, default=3)
@@ -152,6 +154,8 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "bench":
             if args.target is not None and args.draft is None:
                 raise RequestError("bench --target needs --draft")
+            if args.target is not None and args.drafter != "dflash":
+                raise RequestError("bench --drafter picks the family of a --synthetic drafter; --draft brings its own")
             from cudflash.bench import run_bench
 
             print(run_bench(args))

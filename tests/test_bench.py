@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from cudflash.bench import BatchResult, format_table
+from cudflash.bench import BatchResult, format_table, write_synthetic_configs
+from cudflash.draft_config import load_draft_config
 
 
 def test_synthetic_bench_writes_consistent_numbers(tmp_path):
@@ -27,6 +28,27 @@ def test_synthetic_bench_writes_consistent_numbers(tmp_path):
         assert x["ar_tokens_per_s"] == x["batch"] / x["ar_step_ms"] * 1e3
         assert x["spec_tokens_per_s"] == x["batch"] * 6.5 / x["spec_step_ms"] * 1e3
         assert x["prefill_ms"] > 0 and x["ar_step_ms"] > 0
+
+
+@pytest.mark.parametrize("drafter", ["dflash2", "dspark"])
+def test_synthetic_bench_takes_another_drafter_family(tmp_path, drafter):
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "cudflash", "bench", "--synthetic", "tiny", "--drafter", drafter,
+                        "--backend", "cpu", "--prompt-len", "16", "--new", "2", "--warmup", "1", "--json", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert data["drafter"] == drafter and data["results"][0]["spec_step_ms"] > 0
+    _, draft_dir = write_synthetic_configs("qwen3-8b", tmp_path / "pair", drafter)
+    cfg = load_draft_config(draft_dir)
+    assert cfg.kind == drafter and cfg.target_layer_ids == [1, 9, 17, 25, 33] and cfg.block_size == 16
+
+
+def test_bench_drafter_family_needs_a_synthetic_pair(tiny_pair):
+    r = subprocess.run([sys.executable, "-m", "cudflash", "bench", "--target", str(tiny_pair / "target"), "--draft",
+                        str(tiny_pair / "drafter"), "--drafter", "dspark", "--backend", "cpu"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "--drafter" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_bench_with_a_real_pair_measures_tau(tiny_pair, tmp_path):
