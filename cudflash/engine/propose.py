@@ -19,7 +19,8 @@ its prediction is not computed. DSpark options, both off by default (then every 
 - the adaptive policy picks every sequence's verify length at once: with c the row confidences, the survival
   s_j = c_1 ... c_j is the chance that drafts 1..j are all accepted, so verifying k drafts emits 1 + s_1 + ...
   + s_k tokens on average; it maximises (expected tokens of the batch) / (1 + verify_cost * tokens verified),
-  a step cost that is fixed plus linear in the verified tokens.
+  a step cost that is fixed plus linear in the verified tokens. (A step replayed from CUDA graphs verifies the
+  whole block whatever the cut, so there the cost of a verified token is nearly zero: cuda_graph.verify_drafts.)
 """
 from __future__ import annotations
 
