@@ -161,9 +161,9 @@ class StepGraphs:
         self.max_blocks, self.dummy_block, self.max_bytes = max_blocks, dummy_block, max_bytes
         self.stream = cupy.cuda.get_current_stream()
         self.buffers: dict[tuple[int, int], StepBuffers] = {}
-        # (padded batch, block width, context bucket, with a propose graph) -> captured step, least recently used
-        # first
-        self.steps: OrderedDict[tuple[int, int, int], CapturedStep] = OrderedDict()
+        # (padded batch, block width, context bucket, what the propose graph holds: see _step_for) -> captured
+        # step, least recently used first
+        self.steps: OrderedDict[tuple, CapturedStep] = OrderedDict()
         self.num_captures = 0
         self.pipeline = RUN_AHEAD  # plain decoding queues the next step before waiting for this one (`decode`)
         self.pending: Launched | None = None  # the step `decode` queued ahead
