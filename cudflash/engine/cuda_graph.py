@@ -124,11 +124,15 @@ class Launched:
     buf: StepBuffers
     slot: HostSlot
 
+    @staticmethod
+    def rows_of(seqs: list[Sequence], ahead: int, block_size: int) -> list[tuple[int, int]]:
+        """`rows` of a step staged `ahead` positions past each sequence's num_cached."""
+        return [(s.num_cached + ahead, s.block_table[(s.num_cached + ahead) // block_size]) for s in seqs]
+
     def matches(self, seqs: list[Sequence], block_size: int) -> bool:
         """Whether this step is the decode of exactly `seqs` as they stand now."""
-        return len(seqs) == len(self.seqs) and all(
-            a is b and (a.num_cached, a.block_table[a.num_cached // block_size]) == row
-            for a, b, row in zip(seqs, self.seqs, self.rows))
+        return len(seqs) == len(self.seqs) and all(a is b for a, b in zip(seqs, self.seqs)) \
+            and self.rows_of(seqs, 0, block_size) == self.rows
 
 
 @dataclass
@@ -288,12 +292,6 @@ class StepGraphs:
         step.propose_graph.launch(self.stream)
         return step, buf, slot
 
-    def stage_drafts(self, seqs: list[Sequence], q: int, mask: int) -> tuple[CapturedStep, StepBuffers, HostSlot]:
-        """Stage the step of a proposer that ran eagerly (no propose graph); `verify_drafts` follows."""
-        self.pending = None
-        buf, slot, ctx_bucket = self.stage(seqs, q, mask)
-        return self._step_for(buf, ctx_bucket, True, None), buf, slot
-
     def verify_drafts(self, step: CapturedStep, buf: StepBuffers, slot: HostSlot,
                       drafts: list[np.ndarray]) -> np.ndarray:
         """Write [pending token, drafts] of drafts proposed on the host into the verify ids, replay the verify and
@@ -337,8 +335,8 @@ class StepGraphs:
             self.num_run_ahead += 1
         else:
             buf, slot, ctx_bucket = self.stage(seqs, 1, 0)
-            now = Launched(list(seqs), [(s.num_cached, s.block_table[s.num_cached // bs]) for s in seqs],
-                           self._step_for(buf, ctx_bucket, False, None), buf, slot)
+            now = Launched(list(seqs), Launched.rows_of(seqs, 0, bs), self._step_for(buf, ctx_bucket, False, None),
+                           buf, slot)
             self._verify_and_copy_back(now.step, buf, slot)
         mark("propose")
         if self.pipeline and self._can_run_ahead(seqs):
@@ -371,14 +369,13 @@ class StepGraphs:
             return None
         buf, slot, _ = self.stage(seqs, 1, 0, ahead=1)
         self.steps.move_to_end(key)
-        cupy.cuda.runtime.memcpyAsync(buf.ids.data.ptr, now.step.targets.data.ptr, 4 * n,
-                                      cupy.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
+        self._copy(now.step.targets, buf.ids, cupy.cuda.runtime.memcpyDeviceToDevice)  # [n] pending tokens
         self._verify_and_copy_back(step, buf, slot)
-        return Launched(list(seqs), [(s.num_cached + 1, s.block_table[(s.num_cached + 1) // bs]) for s in seqs],
-                        step, buf, slot)
+        return Launched(list(seqs), Launched.rows_of(seqs, 1, bs), step, buf, slot)
 
     def _copy(self, src: Any, dst: Any, kind: int) -> None:
-        """Queue a copy between a device array and a page-locked host array on the graphs' stream. A host array
-        is written (staging) or read (read-back) only while no copy of it is pending: see HostSlot."""
+        """Queue a copy of all of dst between a device array and a page-locked host array (or two device arrays)
+        on the graphs' stream. A host array is written (staging) or read (read-back) only while no copy of it is
+        pending: see HostSlot."""
         ptr = lambda a: a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr  # noqa: E731
         cupy.cuda.runtime.memcpyAsync(ptr(dst), ptr(src), dst.nbytes, kind, self.stream.ptr)

@@ -23,12 +23,13 @@ def engine_step(runner: ModelRunner, plan: StepPlan, block: int, proposer: Propo
     """Advance every planned sequence; appends emitted tokens and acceptance lengths to the sequences.
 
     `mark(phase)` is called as each phase ends ("propose", "verify", "accept"): benchmarks put events there.
-    A step with decodes only runs through CUDA graphs where the backend has them: all of it for plain decoding and
-    the default drafter, the verify and the drafter's context update behind any other proposer.
+    A step with decodes only runs through CUDA graphs where the backend has them, for plain decoding and the
+    package's proposers (dflash_propose, DraftProposer); any other proposer runs op by op.
     """
     speculative = block > 1 and runner.draft is not None
     graphed = (runner.graphs is not None and plan.decodes and not plan.prefills
-               and runner.graphs.fits(len(plan.decodes)))
+               and runner.graphs.fits(len(plan.decodes))
+               and (not speculative or proposer is dflash_propose or isinstance(proposer, DraftProposer)))
     if graphed:
         first_tokens, decode_emitted = [], _graphed_step(runner, plan.decodes, block if speculative else 1,
                                                          proposer, mark)
@@ -99,7 +100,7 @@ def _graphed_step(runner: ModelRunner, decodes: list, q: int, proposer: Proposer
                   mark: Callable[[str], None]) -> list[list[int]]:
     """The same step for decodes only, as graph replays: propose, verify, one read-back, accept; the drafter's
     context update runs on the device meanwhile (cuda_graph.py). A DraftProposer's device part replays as the
-    propose graph and its host part runs in between; any other proposer runs eagerly in front of the verify graph."""
+    propose graph and its host part runs between it and the verify graph."""
     graphs, b = runner.graphs, runner.backend
     if q == 1:  # plain decoding, queued one step ahead
         targets, logits = graphs.decode(decodes, mark)
@@ -111,15 +112,9 @@ def _graphed_step(runner: ModelRunner, decodes: list, q: int, proposer: Proposer
         mark("propose")
         targets, drafts = graphs.verify(step, buf, slot)
         proposal = Proposal([d.astype(np.int64) for d in drafts])
-    else:
-        if isinstance(proposer, DraftProposer):  # its device part is a graph too
-            step, buf, slot = graphs.propose(decodes, q, mask, proposer)
-            proposal = proposer.host_part(runner, step.head_out, decodes, q)
-        else:  # any other proposer runs eagerly
-            draft_batch = runner.batch(decodes, [[s.last_token] + [mask] * (q - 1) for s in decodes],
-                                       [s.num_cached for s in decodes])
-            proposal = proposer(runner, draft_batch, decodes, q)
-            step, buf, slot = graphs.stage_drafts(decodes, q, mask)
+    else:  # a DraftProposer: its device part is the propose graph, its host part runs before the verify graph
+        step, buf, slot = graphs.propose(decodes, q, mask, proposer)
+        proposal = proposer.host_part(runner, step.head_out, decodes, q)
         mark("propose")
         targets = graphs.verify_drafts(step, buf, slot, proposal.drafts)
     mark("verify")
