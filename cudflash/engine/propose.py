@@ -154,8 +154,7 @@ class DraftProposer:
         lengths = np.full(n, slots)
         if self.opts.uses_confidence:
             prev = np.concatenate([anchors[:, None], drafts[:, :-1]], axis=1).reshape(-1)
-            h = out.h if padded == n else out.h[:n * slots]
-            conf = draft.confidence(b, h, prev, draft.markov).reshape(n, slots)
+            conf = draft.confidence(b, out.h[:n * slots], prev, draft.markov).reshape(n, slots)
             if self.opts.confidence_threshold > 0:
                 lengths = confident_lengths(conf, self.opts.confidence_threshold)
             if self.opts.adaptive:
