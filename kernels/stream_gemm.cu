@@ -16,6 +16,11 @@
 // Warps: 0..3 compute, warp 4 copies (its lane 0 arms a stage's barrier with the byte count and issues the
 // stage's 2 KT / 64 box copies). Barriers: full[s] (1 arrival + the bytes), empty[s] (one per compute warp).
 // Before griddepcontrol.wait the copy warp fills the whole ring with weight boxes; x's boxes follow the wait.
+// Resident x (XRES, few rows): x's rows are copied once into shared memory after the wait (one bulk copy per row,
+// rows padded by 16 bytes so ldmatrix's eight rows hit eight bank groups) and the ring holds weight boxes only,
+// as many stages as with boxes (more measured slower in a decode step: a larger prefill slows the latency-bound
+// kernels in front). Per stage that saves the x boxes' copies: on the H200, with M = 1, 1-2 us of a Qwen3-8B GEMM
+// after its release. The MMAs and their order are the same, so are the bits.
 // Compute: swapped mma.m16n8k16: A = 16 weight rows, B = 8 tokens (NT token tiles), so y^T tile = W . x^T.
 // Compute warp c takes columns [c KT/4, (c + 1) KT/4) of every stage for all T row tiles; at the end of a block
 // the four partials are added in the order c = 0, 1, 2, 3 through shared memory. The float32 summation order
@@ -99,25 +104,29 @@ __device__ __forceinline__ void store_y(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store_y(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
 
 // Dynamic shared memory (from the first 1024-byte boundary): stages of [KT / 64 weight boxes of 16 T x 64]
-// [KT / 64 x boxes of 16 x 64] bf16, each box rows of 128 bytes in the 128-byte swizzle (16-byte chunk j of row r
-// sits at chunk j ^ (r % 8): ldmatrix's eight rows hit eight different banks); then the partials
-// red[3][T][NT][4][32] float32; then full[stages] and empty[stages]. stream_gemm.py computes the same size.
-template <int T, int NT, int KT, typename Y, int EPI>
+// [KT / 64 x boxes of 16 x 64] bf16 (XRES: the weight boxes alone), each box rows of 128 bytes in the 128-byte
+// swizzle (16-byte chunk j of row r sits at chunk j ^ (r % 8): ldmatrix's eight rows hit eight different banks);
+// XRES: then x's M rows of K bf16, XROW = 2 K + 16 bytes apart; then the partials red[3][T][NT][4][32] float32;
+// then full[stages], empty[stages] and (XRES) the x barrier. stream_gemm.py computes the same size.
+// XRES: xmap is no tensor map but {x's address, its row stride in bytes} in its first two words.
+template <int T, int NT, int KT, typename Y, int EPI, bool XRES>
 __global__ void __launch_bounds__(SG_THREADS)
 stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap, Y* __restrict__ y,
             int M, int N, int K, int stages, const __grid_constant__ Epilogue epi) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     pdl_launch_dependents();
+    static_assert(!XRES || NT == 1, "resident x rows are addressed for one token tile");
     constexpr int BOXES = KT / 64;
     constexpr int WBOX = 16 * T * 128, XBOX = 16 * 128;  // bytes
-    constexpr int STAGE = BOXES * (WBOX + XBOX);
+    constexpr int STAGE = BOXES * (WBOX + (XRES ? 0 : XBOX));
     constexpr int NACC = T * NT * 4;  // accumulators per lane
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const unsigned raw = smem_addr(smem_raw);
     const unsigned ring = (raw + 1023) & ~1023u;
     unsigned char* smem = smem_raw + (ring - raw);
-    float* red = reinterpret_cast<float*>(smem + (size_t)stages * STAGE);  // [3][NACC][32]
-    const unsigned full0 = smem_addr(red + 3 * NACC * 32), empty0 = full0 + 8 * stages;
+    const unsigned xs = ring + stages * STAGE, xrow = 2 * K + 16;  // XRES: x's rows
+    float* red = reinterpret_cast<float*>(smem + (size_t)stages * STAGE + (XRES ? M * xrow : 0));  // [3][NACC][32]
+    const unsigned full0 = smem_addr(red + 3 * NACC * 32), empty0 = full0 + 8 * stages, xbar = empty0 + 8 * stages;
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int nblocks = (N + 16 * T - 1) / (16 * T);
@@ -130,6 +139,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
             mbar_init(full0 + 8 * s, 1);
             mbar_init(empty0 + 8 * s, SG_COMPUTE_WARPS);
         }
+        if (XRES) mbar_init(xbar, 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -155,11 +165,19 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
         const int ahead = min(stages, total);
         for (int i = 0; i < ahead; ++i) copy_w(i);  // before the wait: overlaps the kernels in front
         pdl_wait();
-        for (int i = 0; i < ahead; ++i) copy_x(i);
+        if constexpr (XRES) {
+            const unsigned long long x = xmap.words[0], stride = xmap.words[1];
+            mbar_expect_tx(xbar, M * 2 * K);
+            for (int m = 0; m < M; ++m)
+                asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                             ::"r"(xs + m * xrow), "l"(x + m * stride), "r"(2 * K), "r"(xbar) : "memory");
+        } else {
+            for (int i = 0; i < ahead; ++i) copy_x(i);
+        }
         for (int i = ahead; i < total; ++i) {
             mbar_wait(empty0 + 8 * (i % stages), ((i / stages) - 1) & 1);
             copy_w(i);
-            copy_x(i);
+            if constexpr (!XRES) copy_x(i);
         }
         return;
     }
@@ -199,13 +217,18 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     const unsigned b_row = ((lane & 7) + ((lane >> 4) << 3)) * 128, b_half = (lane >> 3) & 1;
     const unsigned key = lane & 7;
     const int g = lane >> 2, c = lane & 3;
+    // XRES: B lane -> x row (lane & 7) (NT == 1), row 0 again for rows past M (their outputs are never written).
+    const unsigned b_res = xs + ((lane & 7) < M ? (lane & 7) : 0) * xrow + b_half * 16;
+    if constexpr (XRES) mbar_wait(xbar, 0);
     // SG_ADD_NORM, warp 0: the block's residual and norm weight, requested when the block starts and used at its
-    // end; the running sums of r^2 of this lane's rows m = 8 n + 2 c + e over all of the CTA's blocks.
+    // end (XRES: read where they are used: requested at the start, they cost 2 us per GEMM with x resident on the
+    // H200, while at the end they cost a 16-row verify 0.2 ms); the running sums of r^2 of this lane's rows
+    // m = 8 n + 2 c + e over all of the CTA's blocks.
     float res[EPI == SG_ADD_NORM ? T : 1][NT][4], nw[EPI == SG_ADD_NORM ? T : 1][2], ss[NT][2] = {};
 
     for (int i = 0; i < total; ++i) {
         const int s = i % stages;
-        if constexpr (EPI == SG_ADD_NORM) if (warp == 0 && i % ktiles == 0) {
+        if constexpr (EPI == SG_ADD_NORM && !XRES) if (warp == 0 && i % ktiles == 0) {
             const int row0 = (blockIdx.x + (i / ktiles) * gridDim.x) * 16 * T;
 #pragma unroll
             for (int t = 0; t < T; ++t)
@@ -229,7 +252,8 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
             const int k0 = warp * (KT / SG_COMPUTE_WARPS) + kk;  // stage column of this MMA step
             const unsigned box = k0 / 64, chunk = (k0 % 64) / 8;
             unsigned b[NT][2];
-            const unsigned xa = base + BOXES * WBOX + box * XBOX + b_row + (((chunk + b_half) ^ key) << 4);
+            const unsigned xa = XRES ? b_res + 2 * ((i % ktiles) * KT + k0)
+                                     : base + BOXES * WBOX + box * XBOX + b_row + (((chunk + b_half) ^ key) << 4);
             if (NT == 2) ldmatrix_x4(xa, b[0][0], b[0][1], b[NT - 1][0], b[NT - 1][1]);
             else ldmatrix_x2(xa, b[0][0], b[0][1]);
             const unsigned wa = base + box * WBOX + a_row + (((chunk + a_half) ^ key) << 4);
@@ -270,8 +294,9 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                         float v = acc[t][n][r];
                         const long long at = (long long)m * N + f;
                         if constexpr (EPI == SG_ADD_NORM) {
-                            v += res[t][n][r];
-                            epi.normed[at] = __float2bfloat16_rn(nw[t][r >> 1] * v);
+                            v += XRES ? epi.residual[at] : res[t][n][r];
+                            const float w = XRES ? __bfloat162float(epi.norm_w[f]) : nw[t][r >> 1];
+                            epi.normed[at] = __float2bfloat16_rn(w * v);
                             ss[n][r & 1] += v * v;
                         } else if constexpr (EPI == SG_ROW_SCALE) {
                             v *= row_scale[m];

@@ -13,6 +13,11 @@ count.
 The launch plan (`plan_for`) depends on (N, K) and the device alone, never on M, so every output row's float32
 summation order is the same at any M: a verify pass computes the bits of the decode passes of its rows.
 
+A few rows of x (a decode step at batch 1: one row of 8-24 KiB) are copied into shared memory once, after the wait,
+instead of in boxes beside every weight stage (`resident_x_bytes`): the ring then holds weight alone, in as many
+stages as before (a deeper ring measured slower: its larger prefill competes with the latency-bound kernels in
+front). Only where x's bytes come from changes, not the MMAs or their order, so the bits are the same either way.
+
 Two epilogues remove the RMSNorm launches between a layer's GEMMs (`Epilogue`): the GEMM in front of a norm
 (o_proj, down) adds the residual and writes `norm_w * r` with its partial sums of r^2, and the GEMM after it
 (gate_up, the next qkv) scales its output rows by the rsqrt those sums give. `DeferredNorm` carries the product.
@@ -35,6 +40,7 @@ MAX_ROWS = 16  # two token tiles of 8
 MAX_PARTS = 256  # SG_MAX_PARTS: producer CTAs whose partial sums of squares a row-scaling GEMM folds
 KT = 256  # K columns per ring stage: 64 per compute warp, four k16 MMA steps
 BOX_K = 64  # K columns per TMA box: 128 bytes, the span of the 128-byte swizzle
+X_RESIDENT_BYTES = 32 << 10  # x's rows are resident (see above) while they take at most this much shared memory
 MIN_WEIGHT_BYTES = 8 << 20  # below this a GEMM is launch bound either way, and the tiny pair's goldens keep cuBLAS
 # Shared memory per CTA, all of it requested: more than half an SM's 228 KiB, so two of these CTAs never share an
 # SM (a kernel launched early under PDL would otherwise pile its CTAs onto the SMs free at that moment and stream
@@ -56,18 +62,29 @@ class Plan:
     stages: int
 
     @staticmethod
-    def stage_bytes(t: int) -> int:
-        """One ring stage: KT / BOX_K weight boxes [16 t][BOX_K] and as many x boxes [16][BOX_K], bf16."""
-        return KT // BOX_K * (16 * t + 16) * BOX_K * 2
+    def stage_bytes(t: int, x_resident: bool = False) -> int:
+        """One ring stage: KT / BOX_K weight boxes [16 t][BOX_K], and as many x boxes [16][BOX_K] unless x is
+        resident, bf16."""
+        return KT // BOX_K * (16 * t + (0 if x_resident else 16)) * BOX_K * 2
 
-    def smem(self) -> int:
-        """Dynamic shared memory to request: at least SMEM_BUDGET, which keeps two CTAs off one SM."""
-        return max(SMEM_BUDGET, self.fixed_bytes(self.t) + self.stages * self.stage_bytes(self.t))
+    def smem(self, x_bytes: int | None = None) -> int:
+        """Dynamic shared memory to request, with x's rows resident (`x_bytes`) or in boxes (None): at least
+        SMEM_BUDGET, which keeps two CTAs off one SM."""
+        ring = self.stages * self.stage_bytes(self.t, x_bytes is not None)
+        return max(SMEM_BUDGET, self.fixed_bytes(self.t) + ring + (x_bytes or 0))
 
     @staticmethod
     def fixed_bytes(t: int) -> int:
-        """Everything but the ring: alignment slack, the partials red[3][t][2][4][32] float32, the barriers."""
-        return 1024 + (COMPUTE_WARPS - 1) * t * 2 * 4 * 32 * 4 + 16 * 16
+        """Everything but the ring and resident x: alignment slack, the partials red[3][t][2][4][32] float32, the
+        barriers (full and empty for up to 16 stages, the x barrier)."""
+        return 1024 + (COMPUTE_WARPS - 1) * t * 2 * 4 * 32 * 4 + 16 * 16 + 16
+
+
+def resident_x_bytes(m: int, k: int) -> int | None:
+    """Shared memory for x [m, k]'s rows, each padded by 16 bytes (the kernel's XRES layout), if they are to be
+    resident: one token tile (m <= 8) within X_RESIDENT_BYTES; else None (x comes in boxes with each stage)."""
+    size = m * (2 * k + 16)
+    return size if m <= 8 and size <= X_RESIDENT_BYTES else None
 
 
 @functools.cache
@@ -172,7 +189,11 @@ def tensor_map(ptr: int, rows: int, cols: int, row_stride: int, box_rows: int) -
     return out
 
 
-_NAMES = tuple(f"stream_gemm<{t}, {nt}, {KT}, {y}, {e}>" for t in (1, 2, 3, 4) for nt in (1, 2)
+def _name(t: int, nt: int, y: str, epilogue: int, x_resident: bool) -> str:
+    return f"stream_gemm<{t}, {nt}, {KT}, {y}, {epilogue}, {'true' if x_resident else 'false'}>"
+
+
+_NAMES = tuple(_name(t, nt, y, e, res) for t in (1, 2, 3, 4) for nt, res in ((1, False), (2, False), (1, True))
                for y, e in (("float", PLAIN), ("bf16", PLAIN), ("float", ADD_NORM), ("float", ROW_SCALE),
                             ("bf16", ROW_SCALE)))
 _raised: set[tuple[str, int]] = set()  # (kernel, bytes) whose dynamic shared memory limit is raised
@@ -207,16 +228,23 @@ def _launch(x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray, num_sms: int, epi
     m, k = x.shape
     n = w.shape[0]
     plan = plan_for(n, k, num_sms)
-    nt = 1 if m <= 8 else 2
-    name = f"stream_gemm<{plan.t}, {nt}, {KT}, {_Y[y.dtype.name]}, {epilogue}>"
+    x_bytes = resident_x_bytes(m, k)
+    name = _name(plan.t, 1 if m <= 8 else 2, _Y[y.dtype.name], epilogue, x_bytes is not None)
     kern = kernel_loader.function("stream_gemm", name, _NAMES).raw
-    smem = plan.smem()
+    smem = plan.smem(x_bytes)
     if (name, smem) not in _raised:
         kern.max_dynamic_shared_size_bytes = smem
         _raised.add((name, smem))
     ldx = x.strides[0] // x.itemsize if m > 1 else k
     wmap = tensor_map(w.data.ptr, n, k, k, 16 * plan.t)
-    xmap = tensor_map(x.data.ptr, m, k, ldx, 16)
+    xmap = tensor_map(x.data.ptr, m, k, ldx, 16) if x_bytes is None else _x_rows(x.data.ptr, 2 * ldx)
     stream = cupy.cuda.get_current_stream()
     pdl.launch(kern, (plan.grid,), (THREADS,), (wmap, xmap, y, i32(m), i32(n), i32(k), i32(plan.stages), epi), smem,
                stream, programmatic=PROGRAMMATIC and stream.is_capturing() and pdl.available())
+
+
+def _x_rows(ptr: int, stride: int) -> TensorMap:
+    """What a resident-x launch passes in the tensor map's place: {x's address, its row stride in bytes}."""
+    out = TensorMap()
+    out.words[0], out.words[1] = ptr, stride
+    return out

@@ -76,11 +76,12 @@ def test_linear_routes_big_weights_through_stream_gemm(cb, rng, monkeypatch):
     assert calls == [(n_big, k), (n_big, k)]  # m = 1 and 16; m = 17 and the small weight stay on cuBLAS
 
 
-def test_stream_gemm_in_a_graph_reads_x_after_its_producer(cb, rng):
+@pytest.mark.parametrize("m", [1, 16])  # x resident in shared memory, x in boxes
+def test_stream_gemm_in_a_graph_reads_x_after_its_producer(cb, rng, m):
     """x is written by the kernel right before the GEMM in the graph: a read before griddepcontrol.wait would see
     the previous replay's x."""
     skip_without_tma()
-    m, n, k = 16, 6144, 2048
+    n, k = 6144, 2048
     w_host = rnd(rng, n, k, scale=k ** -0.5)
     w = cb.asarray(w_host, "act")
     src = cb.asarray(rnd(rng, m, k), "act")
@@ -111,9 +112,24 @@ def test_plans_cover_the_weight_one_cta_per_sm(n, k):
         plan = sg.plan_for(n, k, num_sms)
         blocks = -(-n // (16 * plan.t))
         assert plan.grid <= num_sms and -(-blocks // plan.grid) == -(-blocks // num_sms)  # no extra rounds
-        assert plan.stages >= 2 and plan.smem() >= plan.fixed_bytes(plan.t) + plan.stages * plan.stage_bytes(plan.t)
-        assert 2 * (plan.smem() + 1024) > 228 * 1024  # Hopper: 228 KiB per SM, 1 KiB reserved per CTA
-        assert plan.smem() <= 227 * 1024  # the most one CTA may ask for
+        assert plan.stages >= 2
+        for m in (1, 8, 16):  # x resident in shared memory or in boxes with each stage
+            x_bytes = sg.resident_x_bytes(m, k)
+            smem = plan.smem(x_bytes)
+            assert smem >= plan.fixed_bytes(plan.t) + plan.stages * plan.stage_bytes(plan.t, x_bytes is not None) + (
+                x_bytes or 0)
+            assert smem == sg.SMEM_BUDGET  # resident x takes no more room than the x boxes it replaces
+            assert 2 * (smem + 1024) > 228 * 1024  # Hopper: 228 KiB per SM, 1 KiB reserved per CTA
+
+
+def test_decode_rows_are_resident_and_verify_rows_come_in_boxes():
+    """At batch 1 every Qwen3-8B GEMM's x row stays in shared memory (8 KiB, 24 KiB for down_proj); a 16-row verify
+    pass and wide rows past X_RESIDENT_BYTES take the boxes."""
+    for k in (4096, 12288):
+        assert sg.resident_x_bytes(1, k) == 2 * k + 16
+    assert sg.resident_x_bytes(8, 1024) == 8 * 2064
+    assert sg.resident_x_bytes(16, 256) is None and sg.resident_x_bytes(9, 256) is None
+    assert sg.resident_x_bytes(2, 12288) is None
 
 
 # ------------------------------------------------------------------- the RMSNorm deferred between two GEMMs
@@ -168,11 +184,11 @@ def test_deferred_norm_rows_do_not_depend_on_the_other_rows(cb, rng):
         assert cp.array_equal(y_p.view(cp.uint32), y[lo:hi].view(cp.uint32)), (lo, hi)
 
 
-def test_deferred_norm_in_a_graph_reads_its_inputs_after_their_producers(cb, rng):
+@pytest.mark.parametrize("m", [1, 16])  # x resident in shared memory, x in boxes
+def test_deferred_norm_in_a_graph_reads_its_inputs_after_their_producers(cb, rng, m):
     """Captured with PDL behind kernels that write x and the residual: the producer reads the residual, the
     consumer the sums of squares, each only after griddepcontrol.wait."""
     skip_without_tma()
-    m = 16
     host, dev = _norm_pair(cb, rng, m)
     nb = NumpyBackend()
     src_x, src_res = dev["x"], cp.zeros((m, H), cp.float32)
