@@ -39,21 +39,13 @@ def report(title: str, launches: list[trace.Launch]) -> None:
     print(f"{'kernel (module CTAs x warps)':36s} {'launches':>8s} {'mean span us':>12s} {'sum us':>9s}")
     for name, sp in sorted(by.items(), key=lambda kv: -sum(kv[1])):
         print(f"{name:36s} {len(sp):8d} {statistics.mean(sp):12.2f} {sum(sp):9.1f}")
-    gemms = [i for i, x in enumerate(ls) if x.name.startswith("stream_gemm")]
-    # A layer runs from one qkv GEMM to the next (four GEMMs): average each position over the layers of that shape,
-    # which one layer's sample is too noisy for (single kernels vary by 0.5-1 us from layer to layer).
-    layers = [ls[gemms[i]:gemms[i + 4]] for i in range(4, len(gemms) - 8, 4)]
-    layers = [x for x in layers if [y.name for y in x] == [y.name for y in layers[0]]] if layers else []
-    if layers:
-        print(f"{'a layer, in order (mean of ' + str(len(layers)) + ')':36s} {'span us':>8s} {'early us':>9s} "
+    count, positions = trace.layer_means(ls)
+    if positions:
+        print(f"{f'a layer, in order (mean of {count})':36s} {'span us':>8s} {'early us':>9s} "
               f"{'ends us (first, median, last)':>30s}")
-        for pos in range(len(layers[0])):
-            at = [x[pos] for x in layers]
-            ends = [sorted((t - x.t_release) / 1e3 for t in x.ends.values()) for x in at]
-            picks = (0, len(ends[0]) // 2, -1) if ends[0] else ()  # every launch of a position has the same grid
-            ends_text = " ".join(f"{statistics.mean(e[q] for e in ends):6.2f}" for q in picks)
-            print(f"{at[0].name:36s} {statistics.mean(x.span for x in at) / 1e3:8.2f} "
-                  f"{statistics.mean(x.t_release - x.t_start for x in at) / 1e3:9.2f} {ends_text:>30s}")
+        for p in positions:
+            ends = " ".join(f"{t / 1e3:6.2f}" for t in p.ends) if p.ends else ""
+            print(f"{p.name:36s} {p.span / 1e3:8.2f} {p.early / 1e3:9.2f} {ends:>30s}")
 
 
 seen: dict[str, int] = defaultdict(int)

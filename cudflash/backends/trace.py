@@ -88,6 +88,38 @@ def spans(launches: list[Launch]) -> list[Launch]:
     return ordered
 
 
+@dataclass
+class Position:
+    """One launch of a repeating layer, averaged over the layers with the same launch sequence (times in ns)."""
+
+    name: str
+    span: float
+    early: float  # its release minus its first CTA's start
+    ends: tuple[float, float, float] | None  # first, median and last CTA end after the release (if marked)
+
+
+def layer_means(ordered: list[Launch], gemms_per_layer: int = 4) -> tuple[int, list[Position]]:
+    """Launches ordered by release (`spans`) cut into layers at every gemms_per_layer-th stream GEMM; each position
+    averaged over the layers of the most common launch sequence (one layer's sample varies by 0.5-1 us per kernel
+    on the H200). Returns (layers averaged, positions); (0, []) with fewer than two whole layers."""
+    gemms = [i for i, x in enumerate(ordered) if x.name.startswith("stream_gemm")]
+    cuts = gemms[::gemms_per_layer]
+    layers = [ordered[a:b] for a, b in zip(cuts, cuts[1:])]
+    if len(layers) < 2:
+        return 0, []
+    names = [tuple(x.name for x in layer) for layer in layers]
+    common = max(set(names), key=names.count)
+    layers = [layer for layer, n in zip(layers, names) if n == common]
+    out = []
+    for at in zip(*layers):
+        ends = [sorted(t - x.t_release for t in x.ends.values()) for x in at]
+        picks = (0, len(ends[0]) // 2, -1)  # every launch of one position has the same grid
+        out.append(Position(at[0].name, float(np.mean([x.span for x in at])),
+                            float(np.mean([x.t_release - x.t_start for x in at])),
+                            tuple(float(np.mean([e[q] for e in ends])) for q in picks) if all(ends) else None))
+    return len(layers), out
+
+
 def buffers(modules) -> list[tuple[object, object]]:
     """(event count, events) device views of each traced module's buffers (modules: kernel_loader.traced)."""
     import cupy
