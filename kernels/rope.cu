@@ -13,18 +13,14 @@
 // Grid: flat, D/16 consecutive threads per (row, head); thread j owns elements 8j..8j+7 of both halves
 // (two 16-byte loads), so the rotation partner is in the same thread. The head's sum of squares is reduced
 // over its D/16 lanes with xor-shuffles (D/16 divides 32, so a head never straddles a warp).
+// Loads: the norm weight before griddepcontrol.wait (no kernel writes a weight); after it x, the position's
+// cos / sin and the slot are all requested before any of them is used, so the chain after the kernel in front is
+// one round trip for x and two for position -> table side by side, not one after the other.
 #include "common.cuh"
 
-// Rotates one thread's elements in place: a = h[8j..8j+7] (first half), b = its partners in the second half.
-template <int D>
-__device__ __forceinline__ void rope8(float* a, float* b, const float* __restrict__ cos_t,
-                                      const float* __restrict__ sin_t, long long p, int j) {
-    constexpr int HALF = D / 2;
-    const float4* cp = reinterpret_cast<const float4*>(cos_t + p * HALF + 8 * j);
-    const float4* sp = reinterpret_cast<const float4*>(sin_t + p * HALF + 8 * j);
-    const float4 c0 = cp[0], c1 = cp[1], s0 = sp[0], s1 = sp[1];
-    const float c[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-    const float s[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+// Rotates one thread's elements in place: a = h[8j..8j+7] (first half), b = its partners in the second half,
+// c / s = cos / sin of its position at those eight frequencies.
+__device__ __forceinline__ void rope8(float* a, float* b, const float* c, const float* s) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
         const float o1 = a[e] * c[e] - b[e] * s[e];
@@ -40,7 +36,7 @@ __global__ void rope_store(const X* __restrict__ x, long long sx, const int* __r
                            const bf16* __restrict__ q_w, const bf16* __restrict__ k_w, const int* __restrict__ slots,
                            bf16* __restrict__ q_out, bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
                            int T, int q_heads, int kv_heads, float eps) {
-    pdl_entry();
+    pdl_launch_dependents();
     constexpr int TPH = D / 16, HALF = D / 2;
     const int heads = q_heads + 2 * kv_heads;
     const long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x;
@@ -50,10 +46,23 @@ __global__ void rope_store(const X* __restrict__ x, long long sx, const int* __r
     const int h = (int)(th % heads);
     const long long t = th / heads;
     const bool is_v = h >= q_heads + kv_heads;
-    float a[8], b[8];
+    float wa[8], wb[8];
+    if (NORM && !is_v) {
+        const bf16* w = h < q_heads ? q_w : k_w;
+        unpack8(*reinterpret_cast<const uint4*>(w + 8 * j), wa);
+        unpack8(*reinterpret_cast<const uint4*>(w + HALF + 8 * j), wb);
+    }
+    pdl_wait();
+    float a[8], b[8], c[8], s[8];
     const X* src = x + t * sx + h * D + 8 * j;
     load8(src, 0, a);
     load8(src + HALF, 0, b);
+    if (valid && !is_v) {
+        const long long p = positions[t];
+        load8(cos_t + p * HALF, j, c);
+        load8(sin_t + p * HALF, j, s);
+    }
+    const long long slot = valid && h >= q_heads ? slots[t] : -1;
     if (NORM) {
         // Every lane takes part in the full-mask shuffles, v heads and out-of-range lanes included (their sum is
         // discarded): a warp may hold k and v heads side by side.
@@ -64,10 +73,6 @@ __global__ void rope_store(const X* __restrict__ x, long long sx, const int* __r
         for (int o = TPH / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
         if (!is_v) {
             const float r = rsqrtf(ss / (float)D + eps);
-            const bf16* w = h < q_heads ? q_w : k_w;
-            float wa[8], wb[8];
-            unpack8(*reinterpret_cast<const uint4*>(w + 8 * j), wa);
-            unpack8(*reinterpret_cast<const uint4*>(w + HALF + 8 * j), wb);
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
                 a[e] = wa[e] * (a[e] * r);
@@ -80,12 +85,11 @@ __global__ void rope_store(const X* __restrict__ x, long long sx, const int* __r
     if (h < q_heads) {
         dst = q_out + (t * q_heads + h) * D;
     } else {
-        const long long slot = slots[t];
         if (slot < 0) return;
         const int kvh = is_v ? h - q_heads - kv_heads : h - q_heads;
         dst = (is_v ? v_cache : k_cache) + (slot * kv_heads + kvh) * D;
     }
-    if (!is_v) rope8<D>(a, b, cos_t, sin_t, positions[t], j);
+    if (!is_v) rope8(a, b, c, s);
     *reinterpret_cast<uint4*>(dst + 8 * j) = pack8(a);
     *reinterpret_cast<uint4*>(dst + HALF + 8 * j) = pack8(b);
 }
