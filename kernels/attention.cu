@@ -362,9 +362,9 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
 // attn_combine<D>: out[t, h] = sum_s w_s o_part[s, t, h] / sum_s w_s, w_s = 2^(lse_s - max lse).
 // One warp per (t, h) row, D / 32 columns per lane; splits with lse = -inf (no visible key) are skipped,
 // so their unwritten-in-spirit zeros never matter. Lanes hold the lse of splits lane and lane + 32 (nsplit <=
-// 64); the partials of 8 splits are loaded at once before they are added in split order: a loop that waited on
-// each split's load in turn paid nsplit L2 round trips in series.
-#define COMBINE_BATCH 8
+// 64); the partials of a batch of splits (64 floats per lane: 16 splits at D = 128, all of a decode step's) are
+// loaded at once before they are added in split order, the first batch's together with the lse: a loop that
+// waited on each load in turn paid an L2 round trip per split, the lse's included.
 template <int D>
 __global__ void attn_combine(const float* __restrict__ o_part, const float* __restrict__ lse_part,
                              bf16* __restrict__ out, int rows, int nsplit) {
@@ -373,9 +373,10 @@ __global__ void attn_combine(const float* __restrict__ o_part, const float* __re
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= rows) return;
+    constexpr int COMBINE_BATCH = 2048 / D;
     const float lse_lo = lane < nsplit ? lse_part[(long long)lane * rows + row] : -CF_INF;
     const float lse_hi = lane + 32 < nsplit ? lse_part[(long long)(lane + 32) * rows + row] : -CF_INF;
-    const float mx = warp_max(fmaxf(lse_lo, lse_hi));
+    float mx = -CF_INF;  // the largest lse, taken once the first batch's loads are in flight
     float acc[PER];
 #pragma unroll
     for (int e = 0; e < PER; ++e) acc[e] = 0.f;
@@ -393,6 +394,7 @@ __global__ void attn_combine(const float* __restrict__ o_part, const float* __re
                 v[u][e + 1] = x.y;
             }
         }
+        if (base == 0) mx = warp_max(fmaxf(lse_lo, lse_hi));
 #pragma unroll
         for (int u = 0; u < COMBINE_BATCH; ++u) {
             const int sp = base + u;  // the same for every lane: the shuffle is warp-uniform
