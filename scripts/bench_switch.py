@@ -8,7 +8,10 @@ Examples:
   python3 scripts/bench_switch.py PROGRAMMATIC=0                 # stream_gemm launched without PDL
   python3 scripts/bench_switch.py SMEM_BUDGET=149504             # a deeper weight ring
   python3 scripts/bench_switch.py cuda_attention.MAX_SPLITS=8 -- --prompt-len 2048
-Usage: python3 scripts/bench_switch.py [module.]NAME=VALUE ... [-- bench arguments]
+`--kernels DIR` (first) compiles the CUDA sources from DIR instead of kernels/, to A/B kernel code within one
+checkout, e.g. against a parent commit's: `git archive PARENT kernels | tar -x -C /tmp/base`, then
+`--kernels /tmp/base/kernels` against no option.
+Usage: python3 scripts/bench_switch.py [--kernels DIR] [module.]NAME=VALUE ... [-- bench arguments]
 The bench arguments go after `--synthetic qwen3-8b --backend cuda --batch 1 --prompt-len 512 --new 20`, whose
 options they override.
 """
@@ -44,6 +47,14 @@ def apply(assignments: list[str], package: str = "cudflash.backends", default_mo
 
 if __name__ == "__main__":
     args = sys.argv[1:]
+    if args[:1] == ["--kernels"]:
+        from pathlib import Path
+
+        from cudflash.backends import kernel_loader
+
+        folder = Path(args[1]).resolve()
+        kernel_loader.kernel_dir = lambda: folder
+        args = args[2:]
     cut = args.index("--") if "--" in args else len(args)
     apply(args[:cut])
     from cudflash.cli import main
