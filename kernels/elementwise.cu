@@ -1,7 +1,10 @@
 // elementwise.cu: SwiGLU, residual-style add and bias add on bf16 rows, 8 elements (16 bytes) per thread.
 //
-// silu_mul<G>: gate_up [T, 2I] G (bf16, or the float32 GEMM output; row stride sg) -> out [T, I] bf16 = silu(gate) * up, gate = gate_up[:, :I],
-//           up = gate_up[:, I:]. Flat grid over T * I / 8 vectors.
+// swiglu<G>: y [T, 2I] G (bf16, or the float32 GEMM output; row stride sy), a product with a gate_up weight whose
+//           rows interleave gate and up in groups of 8 (CudaBackend.gate_up_weight: columns 16 j .. 16 j + 7 of y
+//           are gate features 8 j .. 8 j + 7, the next eight their up features) -> out [T, I] bf16 = silu(gate) * up.
+//           Flat grid over T * I / 8 vectors; vector j reads group j's 16 contiguous values. (Where the weight
+//           streams, the GEMM's epilogue computes the same values itself: stream_gemm.cu, SG_SWIGLU.)
 // add<A, B>: a [T, W] A (stride sa) + b [T, W] B (stride sb) -> out [T, W] bf16 contiguous; A and B are bf16
 //           or float32 (a GEMM output / the residual stream). Flat grid over T * W / 8.
 // bias_add<Y>: y [T, N] Y (bf16 or float32) contiguous, in place: y[t, :] += bias[:] (bias bf16; the GEMM
@@ -10,19 +13,19 @@
 #include "common.cuh"
 
 template <typename G>
-__global__ void silu_mul(const G* __restrict__ gate_up, long long sg, bf16* __restrict__ out, int T, int I) {
+__global__ void swiglu(const G* __restrict__ y, long long sy, bf16* __restrict__ out, int T, int I) {
     pdl_entry();
     const int vpr = I >> 3;
     const long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (g >= (long long)T * vpr) return;
     const long long t = g / vpr;
     const int c = (int)(g % vpr);
-    const G* row = gate_up + t * sg;
+    const G* row = y + t * sy;
     float gt[8], up[8], o[8];
-    load8(row, c, gt);
-    load8(row + I, c, up);
+    load8(row, 2 * c, gt);
+    load8(row, 2 * c + 1, up);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) o[e] = gt[e] / (1.f + __expf(-gt[e])) * up[e];
+    for (int e = 0; e < 8; ++e) o[e] = swiglu_value(gt[e], up[e]);
     reinterpret_cast<uint4*>(out + t * I)[c] = pack8(o);
 }
 

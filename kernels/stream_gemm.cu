@@ -36,11 +36,17 @@
 //                + eps), summed over the producer's parts in a fixed order.
 // Together they compute linear(rms_norm(r) * norm_w) with the row scale moved past the GEMM, where it is exact
 // (one rounding of x to bf16 either way). Every sum's order depends on the plans alone: rows stay invariant.
+//   SG_SWIGLU    a flag, alone or with SG_ROW_SCALE, for a gate_up weight whose rows interleave gate and up in
+//                groups of 8 (CudaBackend.gate_up_weight): a 16-row tile's rows g and g + 8 are the gate and up of
+//                one feature, so the lane holding one holds the other, and y [M, N / 2] bf16 = silu(gate) * up is
+//                written directly (swiglu_value, as the swiglu kernel computes it: the same bits). No float32
+//                gate_up round trip and no SwiGLU kernel between the two MLP GEMMs. N % 16 == 0.
 #include "common.cuh"
 
 #define SG_PLAIN 0
 #define SG_ADD_NORM 1
 #define SG_ROW_SCALE 2
+#define SG_SWIGLU 4
 #define SG_MAX_ROWS 16
 #define SG_MAX_PARTS 256  // producer CTAs an SG_ROW_SCALE consumer can fold (stream_gemm.py checks)
 
@@ -185,7 +191,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     // ---------------------------------------------------------------------------------------- compute warps
     pdl_wait();  // y may be memory the predecessor still reads
     __shared__ float row_scale[SG_MAX_ROWS];
-    if constexpr (EPI == SG_ROW_SCALE) {
+    if constexpr ((EPI & SG_ROW_SCALE) != 0) {
         // Thread 8 m + j adds parts j, j + 8, ... of row m (all loads in flight at once: a loop of dependent L2
         // round trips here would hold back the ring), then the eight lanes of the row fold by xor-shuffles.
         const int m = threadIdx.x >> 3, j = threadIdx.x & 7;
@@ -285,24 +291,40 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
 #pragma unroll
             for (int t = 0; t < T; ++t)
 #pragma unroll
-                for (int n = 0; n < NT; ++n)
+                for (int n = 0; n < NT; ++n) {
+                    if constexpr ((EPI & SG_SWIGLU) != 0) {
+                        // acc r = e: gate feature row0 / 2 + 8 t + g of token m; r = 2 + e: its up (N % 16 == 0)
 #pragma unroll
-                    for (int r = 0; r < 4; ++r) {
-                        const int m = 8 * n + 2 * c + (r & 1);
-                        const int f = row0 + 16 * t + g + 8 * (r >> 1);
-                        if (m >= M || f >= N) continue;
-                        float v = acc[t][n][r];
-                        const long long at = (long long)m * N + f;
-                        if constexpr (EPI == SG_ADD_NORM) {
-                            v += XRES ? epi.residual[at] : res[t][n][r];
-                            const float w = XRES ? __bfloat162float(epi.norm_w[f]) : nw[t][r >> 1];
-                            epi.normed[at] = __float2bfloat16_rn(w * v);
-                            ss[n][r & 1] += v * v;
-                        } else if constexpr (EPI == SG_ROW_SCALE) {
-                            v *= row_scale[m];
+                        for (int e = 0; e < 2; ++e) {
+                            const int m = 8 * n + 2 * c + e;
+                            if (m >= M || row0 + 16 * t >= N) continue;
+                            float gate = acc[t][n][e], up = acc[t][n][2 + e];
+                            if constexpr ((EPI & SG_ROW_SCALE) != 0) {
+                                gate *= row_scale[m];
+                                up *= row_scale[m];
+                            }
+                            store_y(y + (long long)m * (N / 2) + row0 / 2 + 8 * t + g, swiglu_value(gate, up));
                         }
-                        store_y(y + at, v);
+                    } else {
+#pragma unroll
+                        for (int r = 0; r < 4; ++r) {
+                            const int m = 8 * n + 2 * c + (r & 1);
+                            const int f = row0 + 16 * t + g + 8 * (r >> 1);
+                            if (m >= M || f >= N) continue;
+                            float v = acc[t][n][r];
+                            const long long at = (long long)m * N + f;
+                            if constexpr (EPI == SG_ADD_NORM) {
+                                v += XRES ? epi.residual[at] : res[t][n][r];
+                                const float w = XRES ? __bfloat162float(epi.norm_w[f]) : nw[t][r >> 1];
+                                epi.normed[at] = __float2bfloat16_rn(w * v);
+                                ss[n][r & 1] += v * v;
+                            } else if constexpr (EPI == SG_ROW_SCALE) {
+                                v *= row_scale[m];
+                            }
+                            store_y(y + at, v);
+                        }
                     }
+                }
         }
         asm volatile("bar.sync 1, %0;" ::"n"(32 * SG_COMPUTE_WARPS) : "memory");  // red is free again
         zero();

@@ -22,6 +22,7 @@ from cudflash.backends import pdl  # noqa: E402
 from cudflash.backends import stream_gemm as sg  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+SWIGLU = {"gate_up+swiglu": (24576, 4096)}  # the same GEMM with its SwiGLU epilogue (bf16 [M, N / 2] out)
 SPIN_US = 20
 SPIN = r"""
 extern "C" __global__ void spin(long long ns, unsigned short* x, int n) {
@@ -54,9 +55,10 @@ def median_us(stream: cupy.cuda.Stream, graphs: list, reps: int = 60) -> float:
     return statistics.median(cupy.cuda.get_elapsed_time(a, b) * 1e3 for a, b in events)
 
 
-def release_cost(n: int, k: int, m: int, spin: cupy.RawKernel, stream: cupy.cuda.Stream, sms: int) -> float:
+def release_cost(n: int, k: int, m: int, spin: cupy.RawKernel, stream: cupy.cuda.Stream, sms: int,
+                 swiglu: bool = False) -> float:
     x = cupy.zeros((m, k), dtype=cupy.uint16)  # bf16 bits; the kernels only see pointers
-    y = cupy.empty((m, n), dtype=cupy.float32)
+    y = cupy.empty((m, n // 2), dtype=cupy.uint16) if swiglu else cupy.empty((m, n), dtype=cupy.float32)
     weights = [(cupy.random.standard_normal((n, k), dtype=cupy.float32).view(cupy.uint32) >> 16).astype(cupy.uint16)
                for _ in range(4)]
 
@@ -64,7 +66,7 @@ def release_cost(n: int, k: int, m: int, spin: cupy.RawKernel, stream: cupy.cuda
         pdl.launch(spin, (1,), (128,), (np.int64(SPIN_US * 1000), x, np.int32(m * k)), 0, stream)
 
     alone = [graph(stream, spin_x)]
-    with_gemm = [graph(stream, lambda w=w: (spin_x(), sg.stream_gemm(x, w, y, sms))) for w in weights]
+    with_gemm = [graph(stream, lambda w=w: (spin_x(), sg.stream_gemm(x, w, y, sms, swiglu))) for w in weights]
     return median_us(stream, with_gemm) - median_us(stream, alone)
 
 
@@ -76,8 +78,8 @@ def main() -> None:
     stream = cupy.cuda.Stream(non_blocking=True)
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     print(f"{'GEMM':8s} {'N x K':>12s} {'floor us':>8s} {'M=1 us':>8s} {'M=16 us':>8s}")
-    for name, (n, k) in SHAPES.items():
-        costs = [release_cost(n, k, m, spin, stream, sms) for m in (1, 16)]
+    for name, (n, k) in {**SHAPES, **SWIGLU}.items():
+        costs = [release_cost(n, k, m, spin, stream, sms, name in SWIGLU) for m in (1, 16)]
         print(f"{name:8s} {f'{n}x{k}':>12s} {n * k * 2 / 4.25e6:8.2f} {costs[0]:8.2f} {costs[1]:8.2f}", flush=True)
 
 

@@ -38,8 +38,7 @@ def rope_store():  # q/k norm + RoPE and the K/V store of one layer: one launch
 
 q = rope_store()
 attn = b.attention(q, kc, vc, meta, D ** -0.5, causal=True)
-gu = b.linear(x, w["gate_up"], out_f32=True)
-act = b.silu_mul(gu)
+act = b.swiglu(x, w["gate_up"])
 
 ops = {
     "qkv GEMM": (lambda: b.linear(x, w["qkv"], out_f32=True), (Q + 2 * KV) * H * 2),
@@ -47,8 +46,7 @@ ops = {
     "attention": (lambda: b.attention(q, kc, vc, meta, D ** -0.5, causal=True), 2 * CTX * KV * 2),
     "o GEMM": (lambda: b.linear(attn, w["o"], out_f32=True), Q * H * 2),
     "add_rms_norm x2": (lambda: (b.add_rms_norm(res, res, norm_w, 1e-6), b.add_rms_norm(res, res, norm_w, 1e-6)), 0),
-    "gate_up GEMM": (lambda: b.linear(x, w["gate_up"], out_f32=True), 2 * I * H * 2),
-    "silu_mul": (lambda: b.silu_mul(gu), 0),
+    "gate_up GEMM + SwiGLU": (lambda: b.swiglu(x, w["gate_up"]), 2 * I * H * 2),
     "down GEMM": (lambda: b.linear(act, w["down"], out_f32=True), I * H * 2),
 }
 

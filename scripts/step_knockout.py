@@ -4,7 +4,8 @@ Runs `cudflash bench --synthetic qwen3-8b --backend cuda --batch 1 --prompt-len 
 replaced by an allocation of their output: no kernel, so the step computes garbage but keeps its shape, and the
 difference to a plain run is what those kernels cost where they really run (behind and in front of GEMMs that
 are launched early). A per-op timing in isolation (profile_step.py) cannot show that.
-Usage: python3 scripts/step_knockout.py [attention] [norm] [silu_mul] [rope]
+Usage: python3 scripts/step_knockout.py [attention] [norm] [rope]
+(SwiGLU has no kernel of its own to knock out: the gate_up GEMM's epilogue applies it.)
 """
 import sys
 
@@ -14,13 +15,11 @@ from cudflash.backends.cuda_backend import CudaBackend
 from cudflash.cli import main
 
 ops = set(sys.argv[1:])
-unknown = ops - {"attention", "norm", "silu_mul", "rope"}
+unknown = ops - {"attention", "norm", "rope"}
 if unknown:
-    sys.exit(f"unknown ops {sorted(unknown)} (attention, norm, silu_mul, rope)")
+    sys.exit(f"unknown ops {sorted(unknown)} (attention, norm, rope)")
 if "attention" in ops:
     CudaBackend.attention = lambda self, q, k, v, meta, scale, causal, window=0: cupy.empty(q.shape, self.act)
-if "silu_mul" in ops:
-    CudaBackend.silu_mul = lambda self, gu: cupy.empty((gu.shape[0], gu.shape[1] // 2), self.act)
 if "norm" in ops:
     CudaBackend._norm = lambda self, x, res, w, eps: (
         cupy.empty(x.shape, self.act), None if res is None else cupy.empty(x.shape, cupy.float32))

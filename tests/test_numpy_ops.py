@@ -38,3 +38,14 @@ def test_rope_store_is_rope_then_store(q_heads, norm):
         assert np.array_equal(q, b.head_norm_rope(x[:, :q_dim], d, positions, cos, sin, q_norm, 1e-6))
     else:
         assert q is None
+
+
+def test_swiglu_is_silu_of_gate_times_up():
+    """swiglu(x, gate_up_weight(gate, up)) = silu(x gate^T) * (x up^T), the MLP's first half in HF's definition."""
+    b, rng = NumpyBackend(), np.random.default_rng(5)
+    x, gate, up = (rng.standard_normal(s).astype(np.float32) for s in ((3, 16), (24, 16), (24, 16)))
+    g = x @ gate.T
+    want = g / (1 + np.exp(-g)) * (x @ up.T)
+    got = b.swiglu(x, b.gate_up_weight(gate, up))
+    assert got.shape == (3, 24)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

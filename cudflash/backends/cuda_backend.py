@@ -42,7 +42,7 @@ _NORM_NAMES = tuple(f"rms_norm<{v}, {a}, {x}, {r}>" for v in _NORM_VPT for a in 
                     for x in _TYPES for r in _TYPES)
 _ADD_NAMES = tuple(f"add<{a}, {b}>" for a in _TYPES for b in _TYPES)
 _BIAS_NAMES = ("bias_add<bf16>", "bias_add<float>")
-_SILU_NAMES = ("silu_mul<bf16>", "silu_mul<float>")
+_SWIGLU_NAMES = ("swiglu<bf16>", "swiglu<float>")
 
 
 def _ctype(x: cupy.ndarray) -> str:
@@ -270,14 +270,20 @@ class CudaBackend:
 
     def linear(self, x: cupy.ndarray | stream_gemm.DeferredNorm, weight: cupy.ndarray,
                bias: cupy.ndarray | None = None, out_f32: bool = False) -> cupy.ndarray:
+        return self._add_bias(self._gemm(x, weight, cupy.float32 if out_f32 else self.act, swiglu=False), bias)
+
+    def _gemm(self, x: cupy.ndarray | stream_gemm.DeferredNorm, weight: cupy.ndarray, out_dtype: np.dtype,
+              swiglu: bool) -> cupy.ndarray:
+        """x @ weight.T as a new [M, N] array of out_dtype; swiglu: weight is gate_up_weight's [2I, H] and the result
+        the bf16 [M, I] of silu(gate) * up (in the streamed GEMM's epilogue, else by the swiglu kernel)."""
+        n = weight.shape[0]
         if isinstance(x, stream_gemm.DeferredNorm):
             m, k = x.shape
-            n = weight.shape[0]
             if weight.dtype == self.act and weight.shape[1] == k and weight.flags.c_contiguous \
                     and stream_gemm.usable(m, n, k, weight.nbytes):
-                y = cupy.empty((m, n), dtype=cupy.float32 if out_f32 else self.act)
-                stream_gemm.row_scaled(x, weight, y, self.num_sms)
-                return self._add_bias(y, bias)
+                y = cupy.empty((m, n // 2) if swiglu else (m, n), dtype=self.act if swiglu else out_dtype)
+                stream_gemm.row_scaled(x, weight, y, self.num_sms, swiglu)
+                return y
             if x.plain is None:
                 x.plain = self.rms_norm(x.residual, x.weight, x.eps)
             x = x.plain
@@ -285,21 +291,20 @@ class CudaBackend:
         if x.dtype != self.act or weight.dtype != self.act:
             raise BackendError(f"cuda linear: operands must be bf16, got {x.dtype} and {weight.dtype}")
         m, k = x.shape
-        n = weight.shape[0]
         if weight.shape[1] != k:
             raise BackendError(f"cuda linear: x is [{m}, {k}] but weight is {list(weight.shape)}")
         streamed = stream_gemm.usable(m, n, k, weight.nbytes)
         x = self._gemm_rows(x, streamed)
         if not weight.flags.c_contiguous:
             weight = cupy.ascontiguousarray(bits(weight)).view(self.act)
-        y = cupy.empty((m, n), dtype=cupy.float32 if out_f32 else self.act)
-        if m == 0:
+        if streamed and m:
+            y = cupy.empty((m, n // 2) if swiglu else (m, n), dtype=self.act if swiglu else out_dtype)
+            stream_gemm.stream_gemm(x, weight, y, self.num_sms, swiglu)
             return y
-        if streamed:
-            stream_gemm.stream_gemm(x, weight, y, self.num_sms)
-        else:
+        y = cupy.empty((m, n), dtype=cupy.float32 if swiglu else out_dtype)
+        if m:
             self.blas.gemm_bf16(x, weight, y)
-        return self._add_bias(y, bias)
+        return self._swiglu_rows(y) if swiglu else y
 
     def _add_bias(self, y: cupy.ndarray, bias: cupy.ndarray | None) -> cupy.ndarray:
         m, n = y.shape
@@ -310,16 +315,31 @@ class CudaBackend:
                 (cdiv(m * n // 8, THREADS),), (THREADS,), (y, bias, i32(m), i32(n)))
         return y
 
-    def silu_mul(self, gate_up: cupy.ndarray) -> cupy.ndarray:
-        gate_up, sg = rows_any(as_rows(gate_up), "silu_mul input")
-        t, width = gate_up.shape
-        inter = width // 2
-        if inter % 8:
-            raise BackendError(f"cuda silu_mul: intermediate size {inter} is not a multiple of 8")
-        out = cupy.empty((t, inter), dtype=self.act)
+    def gate_up_weight(self, gate: cupy.ndarray, up: cupy.ndarray) -> cupy.ndarray:
+        """[I, H] each -> [2I, H] with gate and up rows interleaved in groups of 8 (rows 16 j .. 16 j + 7: gate
+        features 8 j .. 8 j + 7, the next eight their up features), so that one MMA tile of the GEMM holds both halves
+        of its features and its epilogue can write silu(gate) * up (stream_gemm.cu, SG_SWIGLU)."""
+        inter, h = gate.shape
+        if up.shape != gate.shape or inter % 8:
+            raise BackendError(f"cuda gate_up: gate {gate.shape} and up {up.shape} must match, rows a multiple of 8")
+        out = cupy.empty((inter // 8, 2, 8, h), dtype=cupy.uint16)  # [groups, gate | up, 8 rows, H]
+        out[:, 0] = bits(gate).reshape(inter // 8, 8, h)
+        out[:, 1] = bits(up).reshape(inter // 8, 8, h)
+        return out.reshape(2 * inter, h).view(self.act)
+
+    def swiglu(self, x: cupy.ndarray | stream_gemm.DeferredNorm, gate_up: cupy.ndarray) -> cupy.ndarray:
+        if gate_up.shape[0] % 16:
+            raise BackendError(f"cuda swiglu: gate_up has {gate_up.shape[0]} rows, expected 2 I with I % 8 == 0")
+        return self._gemm(x, gate_up, self.act, swiglu=True)
+
+    def _swiglu_rows(self, y: cupy.ndarray) -> cupy.ndarray:
+        """The swiglu kernel on a GEMM output y [T, 2I] (interleaved features) -> [T, I] bf16."""
+        y, sy = rows_any(y, "swiglu input")
+        t, width = y.shape
+        out = cupy.empty((t, width // 2), dtype=self.act)
         if t:
-            kernel_loader.function("elementwise", f"silu_mul<{_ctype(gate_up)}>", _SILU_NAMES)(
-                (cdiv(t * inter // 8, THREADS),), (THREADS,), (gate_up, i64(sg), out, i32(t), i32(inter)))
+            kernel_loader.function("elementwise", f"swiglu<{_ctype(y)}>", _SWIGLU_NAMES)(
+                (cdiv(t * width // 16, THREADS),), (THREADS,), (y, i64(sy), out, i32(t), i32(width // 2)))
         return out
 
     def add(self, a: cupy.ndarray, b: cupy.ndarray) -> cupy.ndarray:

@@ -77,8 +77,11 @@ class NumpyBackend:
                             norm_weight: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
         return self.add_rms_norm(self.linear(x, weight, bias), residual, norm_weight, eps)
 
-    def silu_mul(self, gate_up: np.ndarray) -> np.ndarray:
-        gate, up = np.split(gate_up, 2, axis=-1)
+    def gate_up_weight(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        return np.concatenate([gate, up], axis=0)
+
+    def swiglu(self, x: np.ndarray, gate_up: np.ndarray) -> np.ndarray:
+        gate, up = np.split(self.linear(x, gate_up), 2, axis=-1)
         return gate / (np.float32(1.0) + np.exp(-gate)) * up
 
     def add(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:

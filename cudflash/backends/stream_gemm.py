@@ -21,6 +21,9 @@ front). Only where x's bytes come from changes, not the MMAs or their order, so 
 Two epilogues remove the RMSNorm launches between a layer's GEMMs (`Epilogue`): the GEMM in front of a norm
 (o_proj, down) adds the residual and writes `norm_w * r` with its partial sums of r^2, and the GEMM after it
 (gate_up, the next qkv) scales its output rows by the rsqrt those sums give. `DeferredNorm` carries the product.
+A third removes the SwiGLU kernel between gate_up and down: with gate and up rows interleaved in groups of 8
+(CudaBackend.gate_up_weight), gate_up's epilogue holds both halves of a feature in one lane and writes
+silu(gate) * up as bf16 (`swiglu`).
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ PROGRAMMATIC = True  # launched with PDL inside a captured step (A/B switch)
 COMPUTE_WARPS = 4  # SG_COMPUTE_WARPS in stream_gemm.cu
 THREADS = 32 * (COMPUTE_WARPS + 1)
 _Y = {"float32": "float", "bfloat16": "bf16", "uint16": "bf16"}
-PLAIN, ADD_NORM, ROW_SCALE = 0, 1, 2  # SG_PLAIN, SG_ADD_NORM, SG_ROW_SCALE in stream_gemm.cu
+PLAIN, ADD_NORM, ROW_SCALE, SWIGLU = 0, 1, 2, 4  # SG_PLAIN, SG_ADD_NORM, SG_ROW_SCALE, SG_SWIGLU (a flag)
 
 
 @dataclass(frozen=True)
@@ -195,14 +198,15 @@ def _name(t: int, nt: int, y: str, epilogue: int, x_resident: bool) -> str:
 
 _NAMES = tuple(_name(t, nt, y, e, res) for t in (1, 2, 3, 4) for nt, res in ((1, False), (2, False), (1, True))
                for y, e in (("float", PLAIN), ("bf16", PLAIN), ("float", ADD_NORM), ("float", ROW_SCALE),
-                            ("bf16", ROW_SCALE)))
+                            ("bf16", ROW_SCALE), ("bf16", SWIGLU), ("bf16", ROW_SCALE | SWIGLU)))
 _raised: set[tuple[str, int]] = set()  # (kernel, bytes) whose dynamic shared memory limit is raised
 
 
-def stream_gemm(x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray, num_sms: int) -> None:
+def stream_gemm(x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray, num_sms: int, swiglu: bool = False) -> None:
     """y[M, N] = x[M, K] @ w[N, K].T; x bf16 with 16-byte aligned rows, w bf16 contiguous, y bf16 or float32
-    contiguous (the caller, CudaBackend.linear, checks `usable` and the layouts)."""
-    _launch(x, w, y, num_sms, PLAIN, Epilogue())
+    contiguous (the caller, CudaBackend.linear, checks `usable` and the layouts). swiglu: w is an interleaved
+    gate_up weight (N % 16 == 0) and y [M, N / 2] bf16 gets silu(gate) * up."""
+    _launch(x, w, y, num_sms, SWIGLU if swiglu else PLAIN, Epilogue())
 
 
 def add_norm(x: cupy.ndarray, w: cupy.ndarray, residual: cupy.ndarray, norm_w: cupy.ndarray, eps: float,
@@ -218,15 +222,18 @@ def add_norm(x: cupy.ndarray, w: cupy.ndarray, residual: cupy.ndarray, norm_w: c
     return DeferredNorm(normed, ssq, r, norm_w, eps), r
 
 
-def row_scaled(x: DeferredNorm, w: cupy.ndarray, y: cupy.ndarray, num_sms: int) -> None:
-    """y = rms_norm(x.residual) * x.weight @ w.T, from the deferred form: x.normed @ w.T, rows scaled."""
-    _launch(x.normed, w, y, num_sms, ROW_SCALE,
+def row_scaled(x: DeferredNorm, w: cupy.ndarray, y: cupy.ndarray, num_sms: int, swiglu: bool = False) -> None:
+    """y = rms_norm(x.residual) * x.weight @ w.T, from the deferred form: x.normed @ w.T, rows scaled (swiglu: as
+    in stream_gemm)."""
+    _launch(x.normed, w, y, num_sms, ROW_SCALE | (SWIGLU if swiglu else 0),
             Epilogue(ssq=x.ssq.data.ptr, parts=x.ssq.shape[0], width=x.normed.shape[1], eps=x.eps))
 
 
 def _launch(x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray, num_sms: int, epilogue: int, epi: Epilogue) -> None:
     m, k = x.shape
     n = w.shape[0]
+    if epilogue & SWIGLU and (n % 16 or y.shape != (m, n // 2) or y.dtype.name == "float32"):
+        raise BackendError(f"stream_gemm swiglu: weight rows {n} (need a multiple of 16), y {y.shape} {y.dtype}")
     plan = plan_for(n, k, num_sms)
     x_bytes = resident_x_bytes(m, k)
     name = _name(plan.t, 1 if m <= 8 else 2, _Y[y.dtype.name], epilogue, x_bytes is not None)

@@ -80,7 +80,7 @@ class DFlashDraftModel:
                 o_proj=loader.get(attn + "o_proj.weight", (H, q_dim)),
                 o_bias=loader.get(attn + "o_proj.bias", (H,)) if cfg.attention_bias else None,
                 post_norm=loader.get(p + "post_attention_layernorm.weight", (H,)),
-                gate_up=loader.fused([(p + "mlp.gate_proj.weight", (I, H)), (p + "mlp.up_proj.weight", (I, H))]),
+                gate_up=loader.gate_up(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", (I, H)),
                 down=loader.get(p + "mlp.down_proj.weight", (H, I)),
             ))
         # Layer l's K rows then V rows sit at rows [2 l kv_dim, 2 (l + 1) kv_dim): a contiguous row block is also
@@ -170,8 +170,7 @@ class DFlashDraftModel:
             hidden, residual = b.add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
             if layer.mlp_conv is not None:
                 hidden, mlp_coeff = layer.mlp_conv.prepare(b, hidden, block)
-            gate_up = b.linear(hidden, layer.gate_up, out_f32=True)
-            hidden = b.linear(b.silu_mul(gate_up), layer.down, out_f32=True)
+            hidden = b.linear(b.swiglu(hidden, layer.gate_up), layer.down, out_f32=True)
             if layer.mlp_conv is not None:
                 hidden = layer.mlp_conv.finish(b, hidden, mlp_coeff, block)
         hidden, _ = b.add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)

@@ -54,7 +54,7 @@ class TargetModel:
                 o_proj=loader.get(attn + "o_proj.weight", (H, q_dim)),
                 o_bias=loader.get(attn + "o_proj.bias", (H,)) if cfg.o_proj_bias else None,
                 post_norm=loader.get(p + "post_attention_layernorm.weight", (H,)),
-                gate_up=loader.fused([(p + "mlp.gate_proj.weight", (I, H)), (p + "mlp.up_proj.weight", (I, H))]),
+                gate_up=loader.gate_up(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", (I, H)),
                 down=loader.get(p + "mlp.down_proj.weight", (H, I)),
             ))
         self.norm = loader.get("model.norm.weight", (H,))  # [H]
@@ -83,7 +83,7 @@ class TargetModel:
                              layer.k_norm, eps, batch.slots, kv.k[i], kv.v[i])
             attn = b.attention(q, kv.k[i], kv.v[i], batch.meta, self.scale, causal=True)
             hidden, residual = b.linear_add_rms_norm(attn, layer.o_proj, layer.o_bias, residual, layer.post_norm, eps)
-            act = b.silu_mul(b.linear(hidden, layer.gate_up, out_f32=True))
+            act = b.swiglu(hidden, layer.gate_up)
             if i < last:
                 hidden, residual = b.linear_add_rms_norm(act, layer.down, None, residual,
                                                          self.layers[i + 1].input_norm, eps)

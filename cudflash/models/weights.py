@@ -26,8 +26,12 @@ class WeightLoader:
         return self.backend.load(dtype, raw)
 
     def fused(self, names_and_shapes: list[tuple[str, tuple[int, ...]]]) -> Any:
-        """Concatenate along the output dimension (rows), e.g. q/k/v -> qkv, gate/up -> gate_up."""
+        """Concatenate along the output dimension (rows), e.g. q/k/v -> qkv."""
         return self.backend.cat([self.get(n, s) for n, s in names_and_shapes], axis=0)
+
+    def gate_up(self, gate: str, up: str, shape: tuple[int, int]) -> Any:
+        """The MLP's gate and up projections [I, H] as the backend's fused gate_up weight (Backend.swiglu)."""
+        return self.backend.gate_up_weight(self.get(gate, shape), self.get(up, shape))
 
 
 class RandomWeights:
@@ -49,3 +53,6 @@ class RandomWeights:
     def fused(self, names_and_shapes: list[tuple[str, tuple[int, ...]]]) -> Any:
         rows = sum(s[0] for _, s in names_and_shapes)
         return self.get(names_and_shapes[0][0], (rows,) + tuple(names_and_shapes[0][1][1:]))
+
+    def gate_up(self, gate: str, up: str, shape: tuple[int, int]) -> Any:
+        return self.get(gate, (2 * shape[0], shape[1]))  # random either way: the row order does not matter

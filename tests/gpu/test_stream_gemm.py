@@ -132,6 +132,48 @@ def test_decode_rows_are_resident_and_verify_rows_come_in_boxes():
     assert sg.resident_x_bytes(2, 12288) is None
 
 
+# ------------------------------------------------------------------- SwiGLU in the gate_up GEMM's epilogue
+def _gate_up(cb, rng, inter: int = 2048, h: int = 1024):
+    """gate, up [inter, h] on the host and the interleaved device weight (8 MiB at the defaults: it streams)."""
+    gate, up = rnd(rng, inter, h, scale=h ** -0.5), rnd(rng, inter, h, scale=h ** -0.5)
+    return gate, up, cb.gate_up_weight(cb.asarray(gate, "act"), cb.asarray(up, "act"))
+
+
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 16])  # resident x; boxes of one and of two token tiles
+def test_swiglu_epilogue_has_the_bits_of_the_swiglu_kernel(cb, rng, m):
+    """The epilogue's silu(gate) * up equals the swiglu kernel applied to the same GEMM's float32 output, bit for
+    bit (plain x and a deferred norm's rows), and silu(x gate^T) * (x up^T) within bf16 rounding."""
+    skip_without_tma()
+    gate, up, w = _gate_up(cb, rng)
+    inter, h = gate.shape
+    x_host = rnd(rng, m, h)
+    x = cb.asarray(x_host, "act")
+    poison_pool(m * inter * 4)
+    fused = cb.swiglu(x, w)
+    y32 = cp.empty((m, 2 * inter), cp.float32)
+    sg.stream_gemm(x, w, y32, cb.num_sms)
+    assert cp.array_equal(bits(fused), bits(cb._swiglu_rows(y32)))
+    check(cb.to_numpy(fused), NumpyBackend().swiglu(x_host, np.concatenate([gate, up])))
+
+    res = cp.asarray((rng.standard_normal((m, h)) * 4).astype(np.float32))
+    w_in = cb.asarray(rnd(rng, h, 4096, scale=4096 ** -0.5), "act")  # a producer that streams (8 MiB)
+    normed, _ = cb.linear_add_rms_norm(cb.asarray(rnd(rng, m, 4096), "act"), w_in, None, res,
+                                       cb.asarray(rnd(rng, h) + 1, "act"), EPS)
+    assert isinstance(normed, sg.DeferredNorm)
+    fused = cb.swiglu(normed, w)
+    sg.row_scaled(normed, w, y32, cb.num_sms)
+    assert cp.array_equal(bits(fused), bits(cb._swiglu_rows(y32)))
+
+
+def test_swiglu_rows_do_not_depend_on_the_other_rows(cb, rng):
+    skip_without_tma()
+    _, _, w = _gate_up(cb, rng)
+    x = cb.asarray(rnd(rng, 16, w.shape[1]), "act")
+    full = cb.swiglu(x, w)
+    for lo, hi in ((0, 1), (7, 8), (15, 16), (3, 12), (8, 16)):
+        assert cp.array_equal(bits(cb.swiglu(x[lo:hi], w)), bits(full[lo:hi])), (lo, hi)
+
+
 # ------------------------------------------------------------------- the RMSNorm deferred between two GEMMs
 H, K_IN, N_OUT = 2048, 2048, 2048  # every weight exactly MIN_WEIGHT_BYTES: the smallest that streams
 EPS = 1e-6
