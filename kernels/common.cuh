@@ -106,13 +106,10 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
 }
 
 // SwiGLU of one feature, silu(gate) * up, in float32. The swiglu kernel and the gate_up GEMM's epilogue both call
-// this, so the two paths of a row give the same bits (nothing in it can fuse into an FMA differently).
-// __fdividef (2 ulp) rather than an IEEE division, whose inline code is longer and which leaves its fast path for
-// an infinite denominator (gate < -88): measured on the H200 with the IEEE division, a 16-row Qwen3-8B gate_up with
-// its SwiGLU epilogue took 8 us more after its release (scripts/gemm_release_cost.py, many such gates) and a verify
-// step 0.05 ms more (4.53 against 4.48 ms). For an infinite denominator __fdividef gives 0, silu's limit.
+// this, so the two paths of a row give the same bits. (An IEEE division: __fdividef, measured faster in the
+// epilogue, cost two of the tiny pair's 32 golden outputs and broke a verify row's equality with its decode.)
 __device__ __forceinline__ float swiglu_value(float gate, float up) {
-    return __fdividef(gate, 1.f + __expf(-gate)) * up;
+    return gate / (1.f + __expf(-gate)) * up;
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -282,30 +282,20 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
             for (int r = 0; r < NACC; ++r) red[((warp - 1) * NACC + r) * 32 + lane] = mine[r];
         }
         asm volatile("bar.sync 1, %0;" ::"n"(32 * SG_COMPUTE_WARPS) : "memory");
+        const int row0 = (blockIdx.x + (i / ktiles) * gridDim.x) * 16 * T;
         if (warp == 0) {
             for (int p = 0; p < SG_COMPUTE_WARPS - 1; ++p) {
 #pragma unroll
                 for (int r = 0; r < NACC; ++r) mine[r] += red[(p * NACC + r) * 32 + lane];
             }
-            const int row0 = (blockIdx.x + (i / ktiles) * gridDim.x) * 16 * T;
+            if constexpr ((EPI & SG_SWIGLU) != 0) {
 #pragma unroll
-            for (int t = 0; t < T; ++t)
+                for (int r = 0; r < NACC; ++r) red[r * 32 + lane] = mine[r];  // for all four warps (below)
+            } else {
 #pragma unroll
-                for (int n = 0; n < NT; ++n) {
-                    if constexpr ((EPI & SG_SWIGLU) != 0) {
-                        // acc r = e: gate feature row0 / 2 + 8 t + g of token m; r = 2 + e: its up (N % 16 == 0)
+                for (int t = 0; t < T; ++t)
 #pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int m = 8 * n + 2 * c + e;
-                            if (m >= M || row0 + 16 * t >= N) continue;
-                            float gate = acc[t][n][e], up = acc[t][n][2 + e];
-                            if constexpr ((EPI & SG_ROW_SCALE) != 0) {
-                                gate *= row_scale[m];
-                                up *= row_scale[m];
-                            }
-                            store_y(y + (long long)m * (N / 2) + row0 / 2 + 8 * t + g, swiglu_value(gate, up));
-                        }
-                    } else {
+                    for (int n = 0; n < NT; ++n)
 #pragma unroll
                         for (int r = 0; r < 4; ++r) {
                             const int m = 8 * n + 2 * c + (r & 1);
@@ -323,8 +313,24 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                             }
                             store_y(y + at, v);
                         }
-                    }
+            }
+        }
+        if constexpr ((EPI & SG_SWIGLU) != 0) {
+            // The SwiGLU of the block's sums, spread over the four warps (an IEEE division each: in warp 0 alone
+            // they held the other warps at the barrier). Unit u = (t, n, e) holds accumulator 4 (t NT + n) + e,
+            // the gate feature row0 / 2 + 8 t + g of token m, and + 2 its up (N % 16 == 0).
+            asm volatile("bar.sync 1, %0;" ::"n"(32 * SG_COMPUTE_WARPS) : "memory");
+            for (int u = warp; u < T * NT * 2; u += SG_COMPUTE_WARPS) {
+                const int t = u / (2 * NT), n = (u / 2) % NT, e = u % 2;
+                const int m = 8 * n + 2 * c + e;
+                if (m >= M || row0 + 16 * t >= N) continue;
+                float gate = red[(4 * (t * NT + n) + e) * 32 + lane], up = red[(4 * (t * NT + n) + 2 + e) * 32 + lane];
+                if constexpr ((EPI & SG_ROW_SCALE) != 0) {
+                    gate *= row_scale[m];
+                    up *= row_scale[m];
                 }
+                store_y(y + (long long)m * (N / 2) + row0 / 2 + 8 * t + g, swiglu_value(gate, up));
+            }
         }
         asm volatile("bar.sync 1, %0;" ::"n"(32 * SG_COMPUTE_WARPS) : "memory");  // red is free again
         zero();
