@@ -38,9 +38,10 @@
 // (one rounding of x to bf16 either way). Every sum's order depends on the plans alone: rows stay invariant.
 //   SG_SWIGLU    a flag, alone or with SG_ROW_SCALE, for a gate_up weight whose rows interleave gate and up in
 //                groups of 8 (CudaBackend.gate_up_weight): a 16-row tile's rows g and g + 8 are the gate and up of
-//                one feature, so the lane holding one holds the other, and y [M, N / 2] bf16 = silu(gate) * up is
-//                written directly (swiglu_value, as the swiglu kernel computes it: the same bits). No float32
-//                gate_up round trip and no SwiGLU kernel between the two MLP GEMMs. N % 16 == 0.
+//                one feature, so one lane's sums hold both, and y [M, N / 2] bf16 = silu(gate) * up is written
+//                directly (swiglu_value, as the swiglu kernel computes it: the same bits; the four compute warps
+//                share a block's divisions). No float32 gate_up round trip and no SwiGLU kernel between the two
+//                MLP GEMMs. N % 16 == 0.
 #include "common.cuh"
 
 #define SG_PLAIN 0
