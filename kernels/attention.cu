@@ -357,6 +357,7 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
             if (t4 == 0) lse_part[prow] = l_r[r] > 0.f ? m_r[r] + log2f(l_r[r]) : -CF_INF;
         }
     }
+    cf_trace_event(2);  // this CTA's outputs are written (the step timeline)
 }
 
 // attn_combine<D>: out[t, h] = sum_s w_s o_part[s, t, h] / sum_s w_s, w_s = 2^(lse_s - max lse).
@@ -410,4 +411,5 @@ __global__ void attn_combine(const float* __restrict__ o_part, const float* __re
     bf16* dst = out + (long long)row * D + lane * PER;
 #pragma unroll
     for (int e = 0; e < PER; e += 2) *reinterpret_cast<unsigned*>(dst + e) = pack_bf16x2(acc[e] * inv, acc[e + 1] * inv);
+    cf_trace_event(2);
 }

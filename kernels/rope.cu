@@ -92,4 +92,5 @@ __global__ void rope_store(const X* __restrict__ x, long long sx, const int* __r
     if (!is_v) rope8(a, b, c, s);
     *reinterpret_cast<uint4*>(dst + 8 * j) = pack8(a);
     *reinterpret_cast<uint4*>(dst + HALF + 8 * j) = pack8(b);
+    cf_trace_event(2);  // (thread 0, where it had a row to store) this CTA has written: the step timeline
 }

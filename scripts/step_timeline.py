@@ -7,8 +7,9 @@ recorded. CTAs are grouped into launches in time order, and each launch gets:
   release  its first CTA's wait returning (about when the kernel in front has completed), relative to the step;
   span     the next launch's release minus its own: the time the chain spent on it, completion included;
   early    how long before its release its first CTA was resident (PDL lets it start behind the kernel in front);
-  ends     for kernels that mark it (stream_gemm), when the first, the median and the last CTA had written their
-           outputs, after the release: the spread is how unevenly a launch's equal shares of work finish.
+  ends     for kernels that mark it (stream_gemm, attention, rope), when the first, the median and the last CTA had
+           written their outputs, after the release: the spread is how unevenly a launch's equal shares of work
+           finish, and the last end against the span is what completing the grid and releasing the next costs.
 The spans of one step add up to its device time; the table sums them per kind of kernel, and one layer's launches
 are listed in order. The recording adds a global atomic and two stores per CTA event, so spans are a little long.
 Usage: python3 scripts/step_timeline.py [extra bench arguments, e.g. --prompt-len 2048]
