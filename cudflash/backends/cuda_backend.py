@@ -277,11 +277,15 @@ class CudaBackend:
         """x @ weight.T as a new [M, N] array of out_dtype; swiglu: weight is gate_up_weight's [2I, H] and the result
         the bf16 [M, I] of silu(gate) * up (in the streamed GEMM's epilogue, else by the swiglu kernel)."""
         n = weight.shape[0]
+
+        def streamed_out(m: int) -> cupy.ndarray:  # what the streamed GEMM writes
+            return cupy.empty((m, n // 2) if swiglu else (m, n), dtype=self.act if swiglu else out_dtype)
+
         if isinstance(x, stream_gemm.DeferredNorm):
             m, k = x.shape
             if weight.dtype == self.act and weight.shape[1] == k and weight.flags.c_contiguous \
                     and stream_gemm.usable(m, n, k, weight.nbytes):
-                y = cupy.empty((m, n // 2) if swiglu else (m, n), dtype=self.act if swiglu else out_dtype)
+                y = streamed_out(m)
                 stream_gemm.row_scaled(x, weight, y, self.num_sms, swiglu)
                 return y
             if x.plain is None:
@@ -298,7 +302,7 @@ class CudaBackend:
         if not weight.flags.c_contiguous:
             weight = cupy.ascontiguousarray(bits(weight)).view(self.act)
         if streamed and m:
-            y = cupy.empty((m, n // 2) if swiglu else (m, n), dtype=self.act if swiglu else out_dtype)
+            y = streamed_out(m)
             stream_gemm.stream_gemm(x, weight, y, self.num_sms, swiglu)
             return y
         y = cupy.empty((m, n), dtype=cupy.float32 if swiglu else out_dtype)
