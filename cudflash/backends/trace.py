@@ -2,8 +2,8 @@
 (kernels/common.cuh), read off the device and grouped into launches.
 
 Thread 0 of every CTA records two events: when the CTA starts, and when its wait on the kernel in front returns
-(its "release"); a kernel that marks it (stream_gemm) records a third when the CTA's outputs are written (its
-"end"). An event is two uint64: the %globaltimer time in ns and a packed word,
+(its "release"); a kernel that marks it (stream_gemm, attention, rope) records a third when the CTA's outputs are
+written (its "end"). An event is two uint64: the %globaltimer time in ns and a packed word,
 kind (bits 62-63: 0 start, 1 release, 2 end) | module (56-61) | SM (48-55) | warps per CTA (42-47) | CTAs in the
 grid (21-41) | CTA index (0-20). Each compiled module has its own buffer (kernel_loader.traced).
 """
