@@ -13,6 +13,8 @@ recorded. CTAs are grouped into launches in time order, and each launch gets:
 The spans of one step add up to its device time; the table sums them per kind of kernel, and one layer's launches
 are listed in order. The recording adds a global atomic and two stores per CTA event, so spans are a little long.
 Usage: python3 scripts/step_timeline.py [extra bench arguments, e.g. --prompt-len 2048]
+With STEP_TIMELINE_DUMP=DIR set, each recorded step's raw events are also saved as DIR/ar.npy and DIR/spec.npy
+([n, 2] uint64, trace.read's format), for reading with cudflash.backends.trace away from the GPU.
 """
 import os
 import statistics
@@ -63,7 +65,12 @@ def traced_step(runner, plan, block, proposer, *timer):
     trace.reset(kernel_loader.traced)
     out = real_step(runner, plan, block, proposer, *timer)
     cupy.cuda.Device().synchronize()
-    report(kind, trace.group(trace.read(kernel_loader.traced)))
+    events = trace.read(kernel_loader.traced)
+    if os.environ.get("STEP_TIMELINE_DUMP"):
+        import numpy as np
+
+        np.save(os.path.join(os.environ["STEP_TIMELINE_DUMP"], "ar.npy" if block == 1 else "spec.npy"), events)
+    report(kind, trace.group(events))
     return out
 
 
