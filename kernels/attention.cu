@@ -29,15 +29,11 @@
 //   nsplit == 1 path (weight 1, sum 1), so a row's result does not depend on how many splits the grid has.
 //   (A merge by the last CTA of each row tile, in this kernel, measured slower: it serialises the merge of
 //   64-row tiles on a few CTAs, +0.35 ms per Qwen3-8B verify step at 1024 keys.)
-#include "common.cuh"
+#include "mma.cuh"
 
 #define ATTN_BN 64
 #define ATTN_THREADS 128
 #define LOG2E 1.4426950408889634f
-
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    return (unsigned)__cvta_generic_to_shared(p);
-}
 
 // 16-byte async copy global -> shared; pred == false writes zeros (src is then never read).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool pred) {
@@ -47,26 +43,6 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool pred
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-__device__ __forceinline__ void ldmatrix_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3,
-                                                  const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(smem_addr(p)));
-}
-
-// c[16x8] += a[16x16] * b[16x8], bf16 in, float32 accumulate.
-__device__ __forceinline__ void mma_bf16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                         unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // Element offset of (row, 16-byte chunk) in a swizzled [rows][D] bf16 tile.
 template <int D>
@@ -203,12 +179,12 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
             unsigned a0, a1, a2, a3;
-            ldmatrix_x4(a0, a1, a2, a3, sQ + swz<D>(wm * 16 + (lane & 15), ks * 2 + (lane >> 4)));
+            ldmatrix_x4(smem_addr(sQ + swz<D>(wm * 16 + (lane & 15), ks * 2 + (lane >> 4))), a0, a1, a2, a3);
 #pragma unroll
             for (int np = 0; np < NS / 2; ++np) {
                 unsigned b0, b1, b2, b3;
                 const int key = wn * KW + np * 16 + (lane & 7) + ((lane >> 4) << 3);
-                ldmatrix_x4(b0, b1, b2, b3, Kt + swz<D>(key, ks * 2 + ((lane >> 3) & 1)));
+                ldmatrix_x4(smem_addr(Kt + swz<D>(key, ks * 2 + ((lane >> 3) & 1))), b0, b1, b2, b3);
                 mma_bf16(sacc[2 * np], a0, a1, a2, a3, b0, b1);
                 mma_bf16(sacc[2 * np + 1], a0, a1, a2, a3, b2, b3);
             }
@@ -272,7 +248,7 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
 #pragma unroll
             for (int dp = 0; dp < D / 16; ++dp) {
                 unsigned b0, b1, b2, b3;
-                ldmatrix_x4_trans(b0, b1, b2, b3, Vt + swz<D>(key, dp * 2 + (lane >> 4)));
+                ldmatrix_x4_trans(smem_addr(Vt + swz<D>(key, dp * 2 + (lane >> 4))), b0, b1, b2, b3);
                 mma_bf16(o[2 * dp], a0, a1, a2, a3, b0, b1);
                 mma_bf16(o[2 * dp + 1], a0, a1, a2, a3, b2, b3);
             }

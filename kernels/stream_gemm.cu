@@ -42,7 +42,7 @@
 //                directly (swiglu_value, as the swiglu kernel computes it: the same bits; the four compute warps
 //                share a block's divisions). No float32 gate_up round trip and no SwiGLU kernel between the two
 //                MLP GEMMs. N % 16 == 0.
-#include "common.cuh"
+#include "mma.cuh"
 
 #define SG_PLAIN 0
 #define SG_ADD_NORM 1
@@ -54,9 +54,6 @@
 #define SG_COMPUTE_WARPS 4
 #define SG_THREADS (32 * (SG_COMPUTE_WARPS + 1))
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
@@ -92,20 +89,6 @@ __device__ __forceinline__ void tma_load(unsigned dst, const TensorMap& map, int
                  "[%0], [%1, {%2, %3}], [%4], %5;"
                  ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(bar), "l"(policy)
                  : "memory");
-}
-__device__ __forceinline__ void ldmatrix_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x2(unsigned addr, unsigned& r0, unsigned& r1) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(addr));
-}
-__device__ __forceinline__ void mma16816(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                         unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 __device__ __forceinline__ void store_y(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store_y(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
@@ -269,7 +252,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                 unsigned a0, a1, a2, a3;
                 ldmatrix_x4(wa + t * 16 * 128, a0, a1, a2, a3);
 #pragma unroll
-                for (int n = 0; n < NT; ++n) mma16816(acc[t][n], a0, a1, a2, a3, b[n][0], b[n][1]);
+                for (int n = 0; n < NT; ++n) mma_bf16(acc[t][n], a0, a1, a2, a3, b[n][0], b[n][1]);
             }
         }
         __syncwarp();
