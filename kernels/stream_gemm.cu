@@ -4,7 +4,7 @@
 //
 // Why: at a few rows a GEMM is a weight stream, and in a captured step the kernels between two GEMMs (norms,
 // RoPE, attention) leave HBM idle. Launched with programmatic dependent launch (pdl.py), this kernel's CTAs are
-// resident while those kernels run and fill their ring with weight tiles before griddepcontrol.wait: the
+// resident while those kernels run and request their first weight tiles before griddepcontrol.wait: the
 // weight does not depend on the predecessor, only x does.
 //
 // Layout: x [M, K] bf16, row stride ldx (elements; 16-byte aligned rows); w [N, K] bf16 contiguous; y [M, N] Y
@@ -15,7 +15,9 @@
 // KT columns: one ring stage holds a tile's KT / 64 weight boxes and KT / 64 x boxes (layout below).
 // Warps: 0..3 compute, warp 4 copies (its lane 0 arms a stage's barrier with the byte count and issues the
 // stage's 2 KT / 64 box copies). Barriers: full[s] (1 arrival + the bytes), empty[s] (one per compute warp).
-// Before griddepcontrol.wait the copy warp fills the whole ring with weight boxes; x's boxes follow the wait.
+// Before griddepcontrol.wait the copy warp requests the weight boxes of the first `prefill` stages; the rest of the
+// ring and x's boxes follow the wait. (A stage or two is the head start; a full ring's prefill only competes with
+// the latency-bound kernels in front for HBM: stream_gemm.py's PREFILL_STAGES.)
 // Resident x (XRES, few rows): x's rows are copied once into shared memory after the wait (one bulk copy per row,
 // rows padded by 16 bytes so ldmatrix's eight rows hit eight bank groups) and the ring holds weight boxes only,
 // as many stages as with boxes (more measured slower in a decode step: a larger prefill slows the latency-bound
@@ -102,7 +104,7 @@ __device__ __forceinline__ void store_y(bf16* p, float v) { *p = __float2bfloat1
 template <int T, int NT, int KT, typename Y, int EPI, bool XRES>
 __global__ void __launch_bounds__(SG_THREADS)
 stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap, Y* __restrict__ y,
-            int M, int N, int K, int stages, const __grid_constant__ Epilogue epi) {
+            int M, int N, int K, int stages, int prefill, const __grid_constant__ Epilogue epi) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     pdl_launch_dependents();
     static_assert(!XRES || NT == 1, "resident x rows are addressed for one token tile");
@@ -152,7 +154,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
             for (int b = 0; b < BOXES; ++b)
                 tma_load(ring + s * STAGE + BOXES * WBOX + b * XBOX, xmap, k0 + 64 * b, 0, full0 + 8 * s, evict_last);
         };
-        const int ahead = min(stages, total);
+        const int ahead = min(min(stages, prefill), total);
         for (int i = 0; i < ahead; ++i) copy_w(i);  // before the wait: overlaps the kernels in front
         pdl_wait();
         if constexpr (XRES) {

@@ -5,8 +5,8 @@ At a few rows a bf16 GEMM reads its weight once and does little else. cuBLAS's k
 with programmatic dependent launch (they never wait on the grid dependency: given a programmatic edge they read
 stale inputs, measured), so inside a captured step each one starts only after the kernel in front has drained,
 and the latency-bound kernels between GEMMs (norms, RoPE, attention) leave HBM idle. This kernel is launched
-with PDL: its CTAs sit resident behind those kernels and fill a shared-memory ring with their weight tiles
-before waiting for x. The tiles come in by TMA (tensor maps encoded here through the driver), a few large
+with PDL: its CTAs sit resident behind those kernels and request their first weight tiles into a shared-memory
+ring before waiting for x. The tiles come in by TMA (tensor maps encoded here through the driver), a few large
 copies per stage: row-by-row bulk copies of the same bytes measured 3x slower than cuBLAS, bound by the copy
 count.
 
@@ -50,6 +50,11 @@ MIN_WEIGHT_BYTES = 8 << 20  # below this a GEMM is launch bound either way, and 
 # at half speed there), while one attention CTA (70 KiB) still fits beside one.
 SMEM_BUDGET = 116 << 10
 PROGRAMMATIC = True  # launched with PDL inside a captured step (A/B switch)
+# Ring stages requested before the wait. Six pairs on the H200 (Qwen3-8B, batch 1): the full ring (6 stages of
+# o_proj, more of the others) AR 4.25-4.26 ms / verify 4.43-4.44, 2 stages 4.23-4.25 / 4.42-4.43, 1 stage 4.24-4.25 /
+# 4.41 (three pairs), none 4.32 / 4.52. The head start is in the first stages; the rest of a prefill only slows
+# the latency-bound kernels in front, whose loads wait behind it.
+PREFILL_STAGES = 2
 COMPUTE_WARPS = 4  # SG_COMPUTE_WARPS in stream_gemm.cu
 THREADS = 32 * (COMPUTE_WARPS + 1)
 _Y = {"float32": "float", "bfloat16": "bf16", "uint16": "bf16"}
@@ -246,8 +251,9 @@ def _launch(x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray, num_sms: int, epi
     wmap = tensor_map(w.data.ptr, n, k, k, 16 * plan.t)
     xmap = tensor_map(x.data.ptr, m, k, ldx, 16) if x_bytes is None else _x_rows(x.data.ptr, 2 * ldx)
     stream = cupy.cuda.get_current_stream()
-    pdl.launch(kern, (plan.grid,), (THREADS,), (wmap, xmap, y, i32(m), i32(n), i32(k), i32(plan.stages), epi), smem,
-               stream, programmatic=PROGRAMMATIC and stream.is_capturing() and pdl.available())
+    args = (wmap, xmap, y, i32(m), i32(n), i32(k), i32(plan.stages), i32(PREFILL_STAGES), epi)
+    pdl.launch(kern, (plan.grid,), (THREADS,), args, smem, stream,
+               programmatic=PROGRAMMATIC and stream.is_capturing() and pdl.available())
 
 
 def _x_rows(ptr: int, stride: int) -> TensorMap:

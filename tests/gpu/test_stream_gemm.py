@@ -48,6 +48,24 @@ def test_stream_gemm_matches_numpy(cb, rng, n, k, m):
         check(cb.to_numpy(y), x @ w.T, tol=1e-5 if dtype == cp.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("m", [1, 9])  # x resident, x in boxes
+def test_prefill_depth_changes_no_bit(cb, rng, monkeypatch, m):
+    """PREFILL_STAGES only moves where the ring's first copies are issued (before or after the wait): none, one,
+    and more than the ring holds give the bits of the default, over several rounds of the ring."""
+    skip_without_tma()
+    n, k = 4096, 12288
+    x, w = cb.asarray(rnd(rng, m, k), "act"), cb.asarray(rnd(rng, n, k, scale=k ** -0.5), "act")
+    ref = cp.empty((m, n), cp.float32)
+    sg.stream_gemm(x, w, ref, cb.num_sms)
+    check(cb.to_numpy(ref), cb.to_numpy(x).astype(np.float32) @ cb.to_numpy(w).astype(np.float32).T, tol=1e-5)
+    for prefill in (0, 1, 64):
+        monkeypatch.setattr(sg, "PREFILL_STAGES", prefill)
+        y = cp.empty((m, n), cp.float32)
+        bits(y)[...] = NAN_BITS
+        sg.stream_gemm(x, w, y, cb.num_sms)
+        assert cp.array_equal(y.view(cp.uint32), ref.view(cp.uint32)), prefill
+
+
 @pytest.mark.parametrize("n,k", [(4096, 1024), (6144, 512), (24576, 256)])
 def test_stream_gemm_rows_do_not_depend_on_the_other_rows(cb, rng, n, k):
     """Row i of a 16-row product has the bits of the 1-row product of x[i] (a verify row == its decode)."""
