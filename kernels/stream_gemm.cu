@@ -20,8 +20,8 @@
 // the latency-bound kernels in front for HBM: stream_gemm.py's PREFILL_STAGES.)
 // Resident x (XRES, few rows): x's rows are copied once into shared memory after the wait (one bulk copy per row,
 // rows padded by 16 bytes so ldmatrix's eight rows hit eight bank groups) and the ring holds weight boxes only,
-// as many stages as with boxes (more measured slower in a decode step: a larger prefill slows the latency-bound
-// kernels in front). Per stage that saves the x boxes' copies: on the H200, with M = 1, 1-2 us of a Qwen3-8B GEMM
+// as many stages as with boxes (more measured slower in a decode step while the whole ring was the prefill: a
+// larger prefill slows the latency-bound kernels in front). Per stage that saves the x boxes' copies: on the H200, with M = 1, 1-2 us of a Qwen3-8B GEMM
 // after its release. The MMAs and their order are the same, so are the bits.
 // Compute: swapped mma.m16n8k16: A = 16 weight rows, B = 8 tokens (NT token tiles), so y^T tile = W . x^T.
 // Compute warp c takes columns [c KT/4, (c + 1) KT/4) of every stage for all T row tiles; at the end of a block

@@ -24,6 +24,7 @@ from collections import defaultdict
 os.environ["CUDFLASH_TRACE"] = "1"  # before cudflash compiles anything
 
 import cupy  # noqa: E402
+import numpy as np  # noqa: E402
 
 from cudflash import bench  # noqa: E402
 from cudflash.backends import kernel_loader, trace  # noqa: E402
@@ -67,8 +68,6 @@ def traced_step(runner, plan, block, proposer, *timer):
     cupy.cuda.Device().synchronize()
     events = trace.read(kernel_loader.traced)
     if os.environ.get("STEP_TIMELINE_DUMP"):
-        import numpy as np
-
         np.save(os.path.join(os.environ["STEP_TIMELINE_DUMP"], "ar.npy" if block == 1 else "spec.npy"), events)
     report(kind, trace.group(events))
     return out

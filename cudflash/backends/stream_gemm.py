@@ -15,8 +15,8 @@ summation order is the same at any M: a verify pass computes the bits of the dec
 
 A few rows of x (a decode step at batch 1: one row of 8-24 KiB) are copied into shared memory once, after the wait,
 instead of in boxes beside every weight stage (`resident_x_bytes`): the ring then holds weight alone, in as many
-stages as before (a deeper ring measured slower: its larger prefill competes with the latency-bound kernels in
-front). Only where x's bytes come from changes, not the MMAs or their order, so the bits are the same either way.
+stages as before (a deeper ring measured slower, when the whole ring was still requested before the wait: its
+larger prefill competes with the latency-bound kernels in front, which is what PREFILL_STAGES caps since). Only where x's bytes come from changes, not the MMAs or their order, so the bits are the same either way.
 
 Two epilogues remove the RMSNorm launches between a layer's GEMMs (`Epilogue`): the GEMM in front of a norm
 (o_proj, down) adds the residual and writes `norm_w * r` with its partial sums of r^2, and the GEMM after it
