@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 
 from cudflash.engine.llm_engine import LLM
-from cudflash.engine.spec_decode import engine_step
 from cudflash.sampling_params import SamplingParams
 from cudflash.tiny import TinyHeads, TinyShape, draft_config, target_config
 
@@ -144,7 +143,7 @@ def bench_batch(llm: LLM, batch: int, prompt_len: int, steps: int, warmup: int, 
     # Warm-up: one throwaway prefill of the same length compiles the prefill kernels and sizes cuBLAS's choices.
     warm = llm.add_request(rng.integers(2, vocab - 2, prompt_len).tolist(), SamplingParams(max_tokens=1))
     while not llm.requests[warm].output_ids:
-        engine_step(runner, sched.schedule(), llm.block_size, llm.proposer)
+        llm.engine.run(sched.schedule(), llm.block_size)
     llm.abort(warm)
     llm.requests.pop(warm)
     ids = [llm.add_request(rng.integers(2, vocab - 2, prompt_len).tolist(), params) for _ in range(batch)]
@@ -152,7 +151,7 @@ def bench_batch(llm: LLM, batch: int, prompt_len: int, steps: int, warmup: int, 
     b.synchronize()
     start = b.event()
     while any(s.is_prefilling or not s.output_ids for s in seqs):
-        engine_step(runner, sched.schedule(), llm.block_size, llm.proposer)
+        llm.engine.run(sched.schedule(), llm.block_size)
     end = b.event()
     b.synchronize()
     prefill_ms = b.elapsed_ms(start, end)
@@ -165,7 +164,7 @@ def bench_batch(llm: LLM, batch: int, prompt_len: int, steps: int, warmup: int, 
             if i == warmup:
                 timer.steps.clear()
             timer.start()
-            engine_step(runner, plan, block, llm.proposer, timer)
+            llm.engine.run(plan, block, timer)
         b.synchronize()
         return timer
 

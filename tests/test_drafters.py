@@ -19,7 +19,7 @@ import cudflash.engine.sampler as sampler
 from cudflash import LLM, SamplingParams
 from cudflash.backends.numpy_backend import NumpyBackend
 from cudflash.draft_config import DraftOptions
-from cudflash.engine.propose import adaptive_lengths, confident_lengths
+from cudflash.engine.propose import DraftProposer, adaptive_lengths, confident_lengths
 from cudflash.engine.sampler import target_probs
 from cudflash.errors import CudflashError
 from cudflash.tiny import TinyHeads, TinyShape, write_random_pair
@@ -59,11 +59,17 @@ def record(llm: LLM) -> list[tuple[list[list[int]], object]]:
     """Every proposal the engine makes, with the token ids (committed + pending) of each sequence at the time."""
     calls, inner = [], llm.proposer
 
-    def propose(runner, batch, seqs, block):
-        proposal = inner(runner, batch, seqs, block)
-        calls.append(([list(s.token_ids) for s in seqs], proposal))
-        return proposal
-    llm.proposer = propose
+    class Recording:
+        drafts_on_device, first_row = False, inner.first_row  # every proposal passes through the host
+
+        def device_part(self, runner, batch, rows):
+            return inner.device_part(runner, batch, rows)
+
+        def host_part(self, runner, out, seqs, block):
+            proposal = inner.host_part(runner, out, seqs, block)
+            calls.append(([list(s.token_ids) for s in seqs], proposal))
+            return proposal
+    llm.proposer = Recording()
     return calls
 
 
@@ -334,21 +340,18 @@ def test_new_ops_reference_semantics():
         assert s[t, p, c] == pytest.approx(unary[t, c] + float(np.sum(A[pred[t, p]] * h[t] * B[cand[t, c]])), rel=1e-5)
 
 
-def test_default_dflash_path_is_unchanged(tmp_path):
-    """A plain DFlash drafter keeps `dflash_propose` (the step the engine can replay as graphs); the generic
-    proposer, given the same drafter, uses the same ops and drafts exactly the same."""
-    from cudflash.engine.propose import DraftProposer, dflash_propose
+def test_dflash_drafts_stay_on_the_device_and_equal_the_host_path(tmp_path):
+    """A plain DFlash drafter's drafts are final on the device (the step writes them into the verify batch with no
+    host round trip); passed through the host instead, they are exactly the same drafts and the same output."""
     paths = write_random_pair(tmp_path, TinyShape(), seed=2)
-    runs = []
-    for generic in (False, True):
-        llm = _llm(paths)
-        assert llm.proposer is dflash_propose
-        if generic:
-            llm.proposer = DraftProposer(llm.runner)
-        calls = record(llm)
-        llm.generate(PROMPTS, _greedy())
-        runs.append([[d.tolist() for d in p.drafts] for _, p in calls])
-    assert runs[0] == runs[1]
+    llm = _llm(paths)
+    assert isinstance(llm.proposer, DraftProposer) and llm.proposer.drafts_on_device
+    direct = llm.generate(PROMPTS, _greedy())
+    calls = record(llm)  # the same proposer, every proposal read on the host before verification
+    through_host = llm.generate(PROMPTS, _greedy())
+    assert [o.token_ids for o in through_host] == [o.token_ids for o in direct]
+    assert [o.acceptance_lengths for o in through_host] == [o.acceptance_lengths for o in direct]
+    assert calls and all(len(d) == llm.block_size - 1 for _, p in calls for d in p.drafts)
 
 
 # ------------------------------------------------------------------------------------------------- CLI

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from cudflash import LLM, SamplingParams
-from cudflash.engine.propose import Proposal
+from cudflash.engine.propose import DraftProposer, HostProposer
+from cudflash.engine.proposal import Proposal
 from cudflash.tiny import TinyShape, write_random_pair
 
 SHAPES = {
@@ -79,20 +80,27 @@ def test_batch_equals_each_sequence_alone(pair):
         assert out.acceptance_lengths == alone.acceptance_lengths
 
 
-def _scripted_proposer(reference, vocab: int, adversarial: bool, correct_prefix=None):
+class _ScriptedProposer(HostProposer):
     """Drafts from the reference continuation: all right (oracle), all wrong (adversarial), or right for the
     first correct_prefix(step) drafts and wrong after."""
-    def propose(runner, batch, seqs, block):
+
+    def __init__(self, reference, vocab: int, adversarial: bool, correct_prefix=None):
+        self.reference, self.vocab, self.adversarial, self.correct_prefix = reference, vocab, adversarial, correct_prefix
+
+    def propose(self, runner, seqs, block):
         drafts = []
         for s in seqs:
-            ref = reference[tuple(s.prompt_ids)]
+            ref = self.reference[tuple(s.prompt_ids)]
             n = len(s.output_ids)  # output so far equals ref[:n]; drafts are the tokens after the pending one
             d = np.array(ref[n:n + block - 1], dtype=np.int64)
-            k = 0 if adversarial else block - 1 if correct_prefix is None else correct_prefix(len(s.acceptance_lengths))
-            d[k:] = (d[k:] + 1) % vocab
+            k = 0 if self.adversarial else block - 1 if self.correct_prefix is None \
+                else self.correct_prefix(len(s.acceptance_lengths))
+            d[k:] = (d[k:] + 1) % self.vocab
             drafts.append(d)
         return Proposal(np.stack(drafts))
-    return propose
+
+
+_scripted_proposer = _ScriptedProposer
 
 
 @pytest.mark.parametrize("block", [4, 16])
@@ -146,8 +154,6 @@ def test_partial_acceptance_rolls_back_exactly(pair, reference):
 def test_drafter_context_window_bounds_attention_and_stays_lossless(pair, reference):
     """A context window on every drafter layer changes what the drafter proposes on long contexts (it no longer
     sees old positions) but never what is generated."""
-    from cudflash.engine.propose import dflash_propose
-
     (target, draft), shape = pair
     prompts = _prompts(shape.vocab_size)
     proposals = {}
@@ -156,12 +162,15 @@ def test_drafter_context_window_bounds_attention_and_stays_lossless(pair, refere
                   draft_options=None if window is None else {"context_window": window})
         assert llm.draft_cfg.layer_windows == [window or 0] * shape.draft_layers
         seen = []
+        inner = llm.proposer
 
-        def recording(runner, batch, seqs, block):
-            seen.append(runner.backend.to_numpy(runner.draft_forward(batch)).copy())  # the drafter's hidden rows
-            return dflash_propose(runner, batch, seqs, block)
+        class Recording(DraftProposer):
+            def device_part(self, runner, batch, rows):
+                out = inner.device_part(runner, batch, rows)
+                seen.append(runner.backend.to_numpy(out.h).copy())  # the drafter's hidden rows of the drafts
+                return out
 
-        llm.proposer = recording
+        llm.proposer = Recording(llm.runner)
         for p, out in zip(prompts, llm.generate(prompts, _greedy())):
             assert out.token_ids == reference[tuple(p)][:MAX_NEW]
         proposals[window] = seen[0]

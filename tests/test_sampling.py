@@ -13,7 +13,8 @@ import pytest
 
 import cudflash.engine.sampler as sampler
 from cudflash import LLM, SamplingParams
-from cudflash.engine.propose import Proposal
+from cudflash.engine.propose import HostProposer
+from cudflash.engine.proposal import Proposal
 from cudflash.engine.sampler import target_probs
 from cudflash.tiny import TinyShape, write_random_pair
 from tests.conftest import last_logits
@@ -52,10 +53,11 @@ def greedy_oracle(llm):
     table = {a: np.array(ar.generate([PROMPT + [a]], SamplingParams(max_tokens=BLOCK - 1, ignore_eos=True))[0].token_ids)
              for a in range(VOCAB)}
 
-    def propose(runner, batch, seqs, block):
-        return Proposal([table[s.output_ids[0]] if len(s.output_ids) == 1 else np.zeros(block - 1, dtype=np.int64)
-                         for s in seqs])
-    return propose
+    class Oracle(HostProposer):
+        def propose(self, runner, seqs, block):
+            return Proposal([table[s.output_ids[0]] if len(s.output_ids) == 1 else np.zeros(block - 1, dtype=np.int64)
+                             for s in seqs])
+    return Oracle()
 
 
 def sample_first_tokens(llm, params: SamplingParams) -> tuple[np.ndarray, float]:

@@ -1,4 +1,5 @@
-"""The packed inputs of a graphed step (cudflash/engine/staging.py) against a plain numpy statement of the layout."""
+"""The packed inputs of a step (cudflash/engine/step_inputs.py) against a plain numpy statement of the layout, and
+the views the models read from them."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -6,42 +7,82 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cudflash.engine.staging import fill_step_inputs
+from cudflash.backends.numpy_backend import NumpyBackend
+from cudflash.engine.step_inputs import Chunk, StepTensors, chunk_slots, fill, layout_for
 
 BS, MASK, DUMMY, MAX_BLOCKS = 16, 7, 999, 12
 
 
-def reference(n: int, q: int, seqs, mask: int, bs: int, dummy: int, max_blocks: int,
-              ahead: int = 0) -> tuple[np.ndarray, int]:
-    ids, positions = np.full((n, q), mask, np.int32), np.tile(np.arange(q, dtype=np.int32), (n, 1))
-    slots, ctx = np.full((n, q), -1, np.int32), np.full(n, q, np.int32)
-    tables = np.full((n, max_blocks), dummy, np.int32)
-    for i, s in enumerate(seqs):
-        ids[i, 0] = s.last_token
-        pos = s.num_cached + ahead + np.arange(q)
-        positions[i] = pos
-        table = np.asarray(s.block_table, np.int32)
-        slots[i] = table[pos // bs] * bs + pos % bs
-        ctx[i] = s.num_cached + ahead + q
-        tables[i, :len(table)] = table
-    packed = np.concatenate([ids.ravel(), positions.ravel(), slots.ravel(), ctx, tables.ravel()])
-    return packed, int(ctx.max())
+def reference(chunks: list[Chunk], decodes: int, q: int, score_rows: list[int]) -> tuple[np.ndarray, int]:
+    ids, positions, slots, ctx, cu, tables = [], [], [], [], [0], np.full((len(chunks), MAX_BLOCKS), DUMMY, np.int32)
+    for i, (seq, start, tokens) in enumerate(chunks):
+        pos = np.arange(start, start + len(tokens))
+        ids.append(np.asarray(tokens))
+        positions.append(pos)
+        if seq is None:
+            slots.append(np.full(len(tokens), -1))
+        else:
+            table = np.asarray(seq.block_table)
+            slots.append(table[pos // BS] * BS + pos % BS)
+            tables[i, :len(table)] = table
+        ctx.append(start + len(tokens))
+        cu.append(cu[-1] + len(tokens))
+    draft_cu = np.asarray(cu[len(chunks) - decodes:]) - cu[len(chunks) - decodes] if decodes else np.zeros(0)
+    parts = [np.concatenate(ids), np.concatenate(positions), np.concatenate(slots), ctx, cu, draft_cu, score_rows,
+             tables.ravel()]
+    return np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]).astype(np.int32), max(ctx)
 
 
-@pytest.mark.parametrize("n,q,running,ahead", [(1, 1, 1, 0), (1, 16, 1, 0), (4, 16, 3, 0), (8, 1, 5, 0),
-                                               (2, 4, 0, 0), (1, 1, 1, 1), (8, 1, 5, 1)])
-def test_fill_step_inputs_matches_the_layout(n, q, running, ahead):
-    """Sequences whose block crosses a boundary inside the step, tables of different lengths, padded rows; the
-    buffer holds the previous step's values (stale garbage must all be overwritten). ahead = 1: the plain decoding
-    step staged while the one before it is in flight, one position further on."""
-    rng = np.random.default_rng(n * 100 + q * 10 + running + ahead)
-    seqs = []
-    for _ in range(running):
+def _seq(rng, need: int):
+    blocks = -(-need // BS) + int(rng.integers(0, 2))
+    return SimpleNamespace(block_table=rng.permutation(500)[:blocks].tolist())
+
+
+@pytest.mark.parametrize("prefills,decodes,padding,q,ahead", [
+    (0, 1, 0, 1, 0), (0, 1, 0, 16, 0), (0, 3, 1, 16, 0), (0, 5, 3, 1, 0), (0, 0, 2, 4, 0), (0, 1, 0, 1, 1),
+    (0, 5, 3, 1, 1), (2, 3, 0, 8, 0), (3, 0, 0, 0, 0), (1, 2, 0, 16, 0)])
+def test_fill_matches_the_layout(prefills, decodes, padding, q, ahead):
+    """Prefill chunks crossing block boundaries, decode blocks (staged `ahead`), padding sequences, tables of
+    different lengths, score rows; the buffer holds the previous step's values (all must be overwritten)."""
+    rng = np.random.default_rng(prefills * 1000 + decodes * 100 + q * 10 + padding + ahead)
+    chunks = []
+    for _ in range(prefills):
+        start, count = int(rng.integers(0, 3 * BS)), int(rng.integers(1, 3 * BS))
+        chunks.append(Chunk(_seq(rng, start + count), start, rng.integers(0, 1000, count).tolist()))
+    for _ in range(decodes):
         num_cached = int(rng.integers(0, (MAX_BLOCKS - 2) * BS - q))
-        blocks = -(-(num_cached + ahead + q) // BS) + int(rng.integers(0, 2))
-        table = rng.permutation(500)[:blocks].tolist()
-        seqs.append(SimpleNamespace(last_token=int(rng.integers(0, 1000)), num_cached=num_cached, block_table=table))
-    want, longest = reference(n, q, seqs, MASK, BS, DUMMY, MAX_BLOCKS, ahead)
-    packed = rng.integers(-5, 5000, size=want.size).astype(np.int32)  # last step's leftovers
-    assert fill_step_inputs(packed, n, q, seqs, MASK, BS, DUMMY, ahead) == longest
+        start = num_cached + ahead
+        chunks.append(Chunk(_seq(rng, start + q), start, [int(rng.integers(0, 1000))] + [MASK] * (q - 1)))
+    chunks += [Chunk(None, 0, [MASK] * q)] * padding
+    drafting = decodes + padding if q > 1 else 0
+    rows = sum(len(c.ids) for c in chunks)
+    score_rows = sorted(rng.choice(rows, size=min(rows, 3), replace=False).tolist()) if prefills else []
+    layout = layout_for(chunks, drafting, q if drafting else 0, len(score_rows), MAX_BLOCKS)
+    want, longest = reference(chunks, drafting, q, score_rows)
+    packed = rng.integers(-5, 5000, size=layout.size).astype(np.int32)  # last step's leftovers
+    assert packed.size == want.size
+    assert fill(packed, layout, chunks, BS, DUMMY, score_rows) == longest
     np.testing.assert_array_equal(packed, want)
+
+
+def test_views_give_each_batch_its_rows():
+    """The verify batch sees every row; the drafter's batch the decode blocks alone, with their own row offsets."""
+    rng = np.random.default_rng(0)
+    q = 4
+    chunks = [Chunk(_seq(rng, 40), 10, list(range(30))), Chunk(_seq(rng, 60), 50, [9, MASK, MASK, MASK]),
+              Chunk(_seq(rng, 80), 70, [8, MASK, MASK, MASK])]
+    layout = layout_for(chunks, 2, q, 0, MAX_BLOCKS)
+    host = np.empty(layout.size, np.int32)
+    fill(host, layout, chunks, BS, DUMMY)
+    b = NumpyBackend()
+    inp = StepTensors(layout, host, host, 74)
+    full, draft = inp.verify_batch(b), inp.draft_batch(b)
+    assert full.ids.tolist() == list(range(30)) + [9, MASK, MASK, MASK, 8, MASK, MASK, MASK]
+    assert full.meta.cu_seqlens_q.tolist() == [0, 30, 34, 38] and full.meta.max_q_len == 30
+    assert draft.ids.tolist() == [9, MASK, MASK, MASK, 8, MASK, MASK, MASK]
+    assert draft.positions.tolist() == [50, 51, 52, 53, 70, 71, 72, 73]
+    assert draft.meta.cu_seqlens_q.tolist() == [0, 4, 8] and draft.meta.max_q_len == q
+    assert draft.meta.context_lens.tolist() == [54, 74]
+    assert draft.meta.block_tables.tolist() == full.meta.block_tables[1:].tolist()
+    assert draft.slots.tolist() == chunk_slots(chunks[1].seq.block_table, 50, 4, BS) + \
+        chunk_slots(chunks[2].seq.block_table, 70, 4, BS)

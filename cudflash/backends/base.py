@@ -24,7 +24,7 @@ class AttentionMeta:
     block_tables: np.ndarray  # int32 [n, max_blocks], -1 padded
     max_q_len: int
     max_context_len: int
-    device: Any = None  # backend-private copies, filled by Backend.prepare_meta
+    device: Any = None  # backend-private copies of the arrays, filled by Backend.prepare_meta
 
 
 def build_meta(q_lens: list[int], context_lens: list[int], block_tables: list[list[int]]) -> AttentionMeta:
@@ -54,7 +54,9 @@ class Backend(Protocol):
     def zeros(self, shape: tuple[int, ...], dtype: str) -> Any: ...
     def cat(self, xs: list[Any], axis: int = 0) -> Any: ...
     def take_rows(self, x: Any, rows: Any) -> Any: ...  # x[rows], rows int32 on device
-    def prepare_meta(self, meta: AttentionMeta) -> AttentionMeta: ...
+    # The backend's copies of meta's arrays: `on_device` (cu_seqlens_q, context_lens, block_tables) where the caller
+    # has them on the backend already (step_inputs.py stages them with the rows), else uploaded from meta.
+    def prepare_meta(self, meta: AttentionMeta, on_device: tuple[Any, Any, Any] | None = None) -> AttentionMeta: ...
     def synchronize(self) -> None: ...
 
     # ---- ops

@@ -18,7 +18,7 @@ from cudflash.backends import kernel_loader, stream_gemm
 from cudflash.backends.base import AttentionMeta
 from cudflash.backends.cublas import Cublas
 from cudflash.backends.cuda_attention import attention as _attention
-from cudflash.backends.cuda_attention import upload_meta
+from cudflash.backends.cuda_attention import DeviceMeta, upload_meta
 from cudflash.backends.cuda_util import (
     THREADS,
     act_dtype,
@@ -201,8 +201,8 @@ class CudaBackend:
             (t, cdiv(width_vec, threads)), (threads,), (table, i64(stride_vec), rows, out, i32(width_vec)))
         return out
 
-    def prepare_meta(self, meta: AttentionMeta) -> AttentionMeta:
-        meta.device = upload_meta(meta)
+    def prepare_meta(self, meta: AttentionMeta, on_device: tuple | None = None) -> AttentionMeta:
+        meta.device = DeviceMeta(*on_device) if on_device is not None else upload_meta(meta)
         return meta
 
     def synchronize(self) -> None:

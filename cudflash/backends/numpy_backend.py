@@ -50,8 +50,8 @@ class NumpyBackend:
     def take_rows(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
         return x[rows]
 
-    def prepare_meta(self, meta: AttentionMeta) -> AttentionMeta:
-        return meta
+    def prepare_meta(self, meta: AttentionMeta, on_device: tuple | None = None) -> AttentionMeta:
+        return meta  # the host arrays are the backend's
 
     def synchronize(self) -> None:
         pass

@@ -13,8 +13,8 @@ from cudflash.draft_config import DraftOptions, apply_draft_options, load_draft_
 from cudflash.engine.model_runner import ModelRunner
 from cudflash.engine.scheduler import Scheduler
 from cudflash.engine.sequence import Sequence, SequenceStatus
-from cudflash.engine.propose import Proposer, dflash_propose, make_proposer
-from cudflash.engine.spec_decode import engine_step
+from cudflash.engine.propose import DraftProposer, Proposer
+from cudflash.engine.spec_decode import SpeculativeStep, StepPhases
 from cudflash.errors import ConfigError, RequestError
 from cudflash.sampling_params import SamplingParams
 from cudflash.tokenizer import load_tokenizer
@@ -71,21 +71,41 @@ class LLM:
         self.runner = ModelRunner(self.target_cfg, self.draft_cfg, self.backend, max_block_size=self.block_size,
                                   kv_block_size=kv_block_size, num_kv_blocks=num_kv_blocks,
                                   max_num_seqs=max_num_seqs, memory_utilization=memory_utilization,
-                                  progress=progress, random_weights=random_weights,
-                                  enforce_eager=enforce_eager)
+                                  progress=progress, random_weights=random_weights)
         self.runner.blocks.enable_prefix_caching = enable_prefix_caching
-        self.scheduler = Scheduler(self.runner.blocks, self.block_size, max_num_seqs, max_num_batched_tokens)
+        proposer = DraftProposer(self.runner, self.draft_options) if self.runner.draft is not None else None
+        self.engine = self._make_step(proposer, graphs=self.backend.name == "cuda" and not enforce_eager)
+        # Plain decoding replayed from graphs queues each next step ahead: it needs a slot one position further on.
+        ahead = self.engine.graphs is not None and self.engine.graphs.pipeline and self.block_size == 1
+        self.scheduler = Scheduler(self.runner.blocks, self.block_size, max_num_seqs, max_num_batched_tokens,
+                                   lookahead=self.block_size + (1 if ahead else 0))
         self.tokenizer = load_tokenizer(target)
         self.eos_token_ids = set(self.target_cfg.eos_token_ids)
-        # The drafter's own proposer (DFlash / DFlash2 / DSpark); replaceable, e.g. by an oracle in tests.
-        self.proposer: Proposer = (make_proposer(self.runner, self.draft_options) if self.runner.draft is not None
-                                   else dflash_propose)
         self.requests: dict[int, Sequence] = {}
         self._next_id = 0
+
+    def _make_step(self, proposer: Proposer | None, graphs: bool) -> SpeculativeStep:
+        """The engine's step; with `graphs`, its decode-only steps replay CUDA graphs that the engine owns."""
+        phases = StepPhases(self.runner, proposer)
+        if not graphs:
+            return SpeculativeStep(phases)
+        from cudflash.engine.cuda_graph import StepGraphs  # CuPy: only on the CUDA backend
+
+        run_ahead = getattr(getattr(self.backend, "tuning", None), "run_ahead", True)
+        return SpeculativeStep(phases, StepGraphs(phases, self.backend.graph_reserve, run_ahead))
 
     @property
     def speculative(self) -> bool:
         return self.block_size > 1
+
+    @property
+    def proposer(self) -> Proposer | None:
+        """The drafter's proposer (DFlash / DFlash2 / DSpark); replaceable, e.g. by an oracle in tests."""
+        return self.engine.proposer
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer) -> None:
+        self.engine.set_proposer(proposer)
 
     # ---- requests
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -148,7 +168,7 @@ class LLM:
             return []
         touched = [s for s, _ in plan.prefills] + plan.decodes
         before = {s.seq_id: len(s.output_ids) for s in touched}
-        engine_step(self.runner, plan, self.block_size, self.proposer)
+        self.engine.run(plan, self.block_size)
         outputs = []
         for s in touched:
             n = before[s.seq_id]

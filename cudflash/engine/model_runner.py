@@ -11,12 +11,13 @@ from typing import Any
 
 import numpy as np
 
-from cudflash.backends.base import Backend, build_meta
+from cudflash.backends.base import Backend
 from cudflash.checkpoint import Checkpoint
 from cudflash.config import TargetConfig
 from cudflash.draft_config import DraftConfig
 from cudflash.engine.block_manager import BlockManager
 from cudflash.engine.sequence import Sequence
+from cudflash.engine.step_inputs import Chunk, StepTensors, fill, layout_for
 from cudflash.errors import BackendError
 from cudflash.models.batch import ForwardBatch, KVCache
 from cudflash.models.dflash import DFlashDraftModel
@@ -50,7 +51,7 @@ class ModelRunner:
     def __init__(self, target_cfg: TargetConfig, draft_cfg: DraftConfig | None, backend: Backend, *,
                  max_block_size: int, kv_block_size: int = 16, num_kv_blocks: int | None = None,
                  max_num_seqs: int = 64, memory_utilization: float = 0.9, progress: bool = False,
-                 random_weights: bool = False, enforce_eager: bool = False):
+                 random_weights: bool = False):
         self.backend, self.target_cfg, self.draft_cfg = backend, target_cfg, draft_cfg
         max_positions = target_cfg.max_position_embeddings + max_block_size + 1
         def loader(path: str, label: str) -> WeightLoader | RandomWeights:
@@ -80,28 +81,22 @@ class ModelRunner:
                 )
             num_kv_blocks = min(wanted, budget)
         self.blocks = BlockManager(num_kv_blocks, kv_block_size)
-        # One block more than the manager hands out: block `num_kv_blocks` is the dummy that padded rows of a
-        # CUDA graph point at (never written: their slots are -1).
+        self.max_blocks = -(-max_positions // kv_block_size)  # block-table width of every staged batch
+        # One block more than the manager hands out: block `num_kv_blocks` is the dummy that padded rows and unused
+        # block-table entries point at (never written: padded rows' slots are -1).
+        self.dummy_block = num_kv_blocks
         shape = lambda c: (c.num_layers, num_kv_blocks + 1, kv_block_size, c.num_kv_heads, c.head_dim)  # noqa: E731
         self.target_kv = KVCache(backend.zeros(shape(t), "act"), backend.zeros(shape(t), "act"))
         self.draft_kv = KVCache(backend.zeros(shape(d), "act"), backend.zeros(shape(d), "act")) if d else None
-        self.graphs = None
-        if backend.name == "cuda" and not enforce_eager:
-            from cudflash.engine.cuda_graph import StepGraphs
-
-            self.graphs = StepGraphs(self, max_blocks=-(-max_positions // kv_block_size), dummy_block=num_kv_blocks,
-                                     max_bytes=backend.graph_reserve)
 
     # ---- inputs
     def batch(self, seqs: list[Sequence], ids: list[list[int]], starts: list[int]) -> ForwardBatch:
         """Rows ids[i] of seqs[i] at positions starts[i].. ; keys visible up to the last of those positions."""
-        b = self.backend
-        positions = np.concatenate([np.arange(s, s + len(x)) for s, x in zip(starts, ids)]).astype(np.int32)
-        slots = np.concatenate([self.blocks.slots(q, s, len(x)) for q, s, x in zip(seqs, starts, ids)]).astype(np.int32)
-        meta = build_meta([len(x) for x in ids], [s + len(x) for s, x in zip(starts, ids)],
-                          [q.block_table for q in seqs])
-        return ForwardBatch(b.asarray(np.concatenate(ids).astype(np.int32), "i32"), b.asarray(positions, "i32"),
-                            b.asarray(slots, "i32"), b.prepare_meta(meta))
+        chunks = [Chunk(s, start, list(x)) for s, start, x in zip(seqs, starts, ids)]
+        layout = layout_for(chunks, 0, 0, 0, self.max_blocks)
+        host = np.empty(layout.size, dtype=np.int32)
+        longest = fill(host, layout, chunks, self.blocks.block_size, self.dummy_block)
+        return StepTensors(layout, host, self.backend.asarray(host, "i32"), longest).verify_batch(self.backend)
 
     # ---- model calls
     def target_forward(self, batch: ForwardBatch, with_taps: bool = True) -> tuple[Any, Any | None]:

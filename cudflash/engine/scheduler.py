@@ -28,8 +28,12 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, block: int, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, block: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 lookahead: int | None = None):
         self.blocks, self.block = blocks, block
+        # Positions past num_cached a decoding sequence holds slots for: the pending token plus block - 1 drafts, or
+        # one more where plain decoding queues the next step ahead (cuda_graph.py).
+        self.lookahead = lookahead or block
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is the youngest
@@ -63,7 +67,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
-        lookahead = self.block  # the pending token plus block - 1 drafts
+        lookahead = self.lookahead
         for seq in [s for s in self.running if not s.is_prefilling]:
             if seq not in self.running:
                 continue  # preempted while making room for an older sequence
@@ -74,7 +78,7 @@ class Scheduler:
             else:
                 self.blocks.reserve(seq, seq.num_cached + lookahead)
                 plan.decodes.append(seq)
-        budget = self.max_num_batched_tokens - len(plan.decodes) * lookahead
+        budget = self.max_num_batched_tokens - len(plan.decodes) * self.block
         for seq in [s for s in self.running if s.is_prefilling]:
             budget = self._plan_prefill(seq, budget, plan)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

@@ -1,123 +1,252 @@
-"""One engine step: propose, then ONE target forward over every prefill chunk and every verify block, then
-acceptance, then the drafter's context update for every newly committed row (DESIGN.md, "The speculative
-step"; a graphed step updates every block row before acceptance, see cuda_graph.py). Plain autoregressive
-decoding is the same step with block size 1 and no drafts.
+"""The engine step, written once: propose, verify, accept, commit (plain decoding is the same step with one row per
+sequence and no drafter).
 
-Afterwards every sequence keeps the invariant of `Sequence`: positions below num_cached hold valid target KV
-and drafter context K/V; a decoding sequence has exactly one pending token.
+Per decoding sequence with L committed tokens and a pending token t:
+1. propose: the drafter's block [t, MASK x (q - 1)] at positions L .. L + q - 1 -> drafts (Proposer);
+2. verify: ONE target forward over every prefill chunk and every [t, drafts] block -> float32 logits of the rows
+   that need them -> their argmax (and the taps of `target_layer_ids` for the drafter);
+3. accept (host): the longest prefix of drafts equal to the target's choices, and one target token;
+4. commit: the drafter's context from the taps, and the KV cache rolled back to the committed tokens.
+
+The phases' device work is three methods, `propose`, `verify` and `commit_context`: the eager path calls them on
+freshly staged inputs, and a CUDA graph (cuda_graph.py) records exactly those calls over static inputs and replays
+them. Both stage through step_inputs.fill. `run` is the one sequence of phases; `Eager` and `cuda_graph.StepGraphs`
+say only how each phase executes.
+
+Which rows update the drafter's context: every row of the target forward, before acceptance (`commit_context`).
+The drafter's context K/V at a position is a function of the target's tap at that position alone, so the committed
+rows (the pending token and the accepted drafts, a prefix of each block) get exactly the K/V an update after
+acceptance would write, and the rows past them land at positions >= the new committed length: scratch, which the
+next propose overwrites with its own block's K/V before anything reads them (its block starts at that length and
+is at least as long). Updating before acceptance needs no second staging and lets the device run the update while
+the host accepts.
+
+Afterwards every sequence keeps the invariant of `Sequence`: positions below num_cached hold valid target KV and
+drafter context K/V; a decoding sequence has exactly one pending token.
 """
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
 from cudflash.engine.model_runner import ModelRunner
-from cudflash.engine.propose import DraftProposer, Proposal, Proposer, dflash_propose
+from cudflash.engine.proposal import HeadOutputs, HeadRows, Proposal, head_rows
+from cudflash.engine.propose import Proposer
 from cudflash.engine.sampler import VerifyGroup, verify_tokens
 from cudflash.engine.scheduler import StepPlan
+from cudflash.engine.sequence import Sequence
+from cudflash.engine.step_inputs import Chunk, StepTensors, fill, layout_for
+
+Mark = Callable[[str], None]
 
 
-def engine_step(runner: ModelRunner, plan: StepPlan, block: int, proposer: Proposer = dflash_propose,
-                mark: Callable[[str], None] = lambda phase: None) -> None:
-    """Advance every planned sequence; appends emitted tokens and acceptance lengths to the sequences.
-
-    `mark(phase)` is called as each phase ends ("propose", "verify", "accept"): benchmarks put events there.
-    A step with decodes only runs through CUDA graphs where the backend has them, for plain decoding and the
-    package's proposers (dflash_propose, DraftProposer); any other proposer runs op by op.
-    """
-    speculative = block > 1 and runner.draft is not None
-    graphed = (runner.graphs is not None and plan.decodes and not plan.prefills
-               and runner.graphs.fits(len(plan.decodes))
-               and (not speculative or proposer is dflash_propose or isinstance(proposer, DraftProposer)))
-    if graphed:
-        first_tokens, decode_emitted = [], _graphed_step(runner, plan.decodes, block if speculative else 1,
-                                                         proposer, mark)
-    else:
-        first_tokens, decode_emitted = _eager_step(runner, plan, block, speculative, proposer, mark)
-
-    for s, n in plan.prefills:
-        s.num_cached += n
-        runner.blocks.hash_committed(s)
-    for s, tokens in first_tokens:
-        s.output_ids.extend(tokens)  # a completed prompt's first token
-    for s, tokens in zip(plan.decodes, decode_emitted):
-        s.num_cached += len(tokens)  # the pending token and the accepted drafts are now committed
-        s.acceptance_lengths.append(len(tokens))
-        s.output_ids.extend(tokens)
-        runner.blocks.trim(s, s.num_cached + 1)  # roll back: slots past the pending token are scratch again
-        runner.blocks.hash_committed(s)
-    mark("accept")
+def _no_mark(phase: str) -> None:
+    pass
 
 
-def _eager_step(runner: ModelRunner, plan: StepPlan, block: int, speculative: bool, proposer: Proposer,
-                mark: Callable[[str], None]) -> tuple[list, list[list[int]]]:
-    """Op by op: propose; ONE target forward over every prefill chunk and verify block; accept; drafter context."""
-    b, decodes = runner.backend, plan.decodes
-    proposal = Proposal([np.zeros(0, dtype=np.int64)] * len(decodes))
-    if decodes and speculative:
-        mask = runner.draft_cfg.mask_token_id
-        draft_batch = runner.batch(decodes, [[s.last_token] + [mask] * (block - 1) for s in decodes],
-                                   [s.num_cached for s in decodes])
-        proposal = proposer(runner, draft_batch, decodes, block)
-    mark("propose")
+@dataclass(slots=True)
+class Verified:
+    """What verification hands acceptance, on the host except the logits."""
 
-    # One target forward: prefill chunks first, then each decode's [pending token, drafts...].
-    seqs = [s for s, _ in plan.prefills] + decodes
-    ids = [[s.token_at(p) for p in range(s.num_cached, s.num_cached + n)] for s, n in plan.prefills]
-    ids += [[s.last_token] + d.tolist() for s, d in zip(decodes, proposal.drafts)]
-    batch = runner.batch(seqs, ids, [s.num_cached for s in seqs])
-    hidden, taps = runner.target_forward(batch, with_taps=speculative)
-
-    # Rows to score: the last row of a prefill that completes a fresh prompt, every row of a decode.
-    groups, score_rows, context_rows = [], [], []
-    cu = batch.meta.cu_seqlens_q
-    for i, (s, n) in enumerate(plan.prefills):
-        context_rows.extend(range(cu[i], cu[i] + n))
-        if s.num_cached + n == s.prefill_end and not s.output_ids:
-            groups.append(VerifyGroup(s, len(score_rows), np.zeros(0, dtype=np.int64)))
-            score_rows.append(cu[i + 1] - 1)
-    first_decode = len(plan.prefills)
-    for j, s in enumerate(decodes):
-        q = proposal.q[j] if proposal.q is not None else None
-        groups.append(VerifyGroup(s, len(score_rows), proposal.drafts[j], q))
-        score_rows.extend(range(cu[first_decode + j], cu[first_decode + j + 1]))
-    logits = runner.logits(hidden, np.asarray(score_rows, dtype=np.int32)) if groups else None
-    mark("verify")
-    emitted = verify_tokens(b, logits, groups) if groups else []
-
-    num_first = len(groups) - len(decodes)
-    decode_emitted = emitted[num_first:]
-    for j, tokens in enumerate(decode_emitted):  # the pending token and the accepted drafts are committed
-        start = int(cu[first_decode + j])
-        context_rows.extend(range(start, start + len(tokens)))
-    if speculative and context_rows:
-        runner.draft_context(taps, batch, np.asarray(context_rows, dtype=np.int32))
-    return [(g.seq, t) for g, t in zip(groups[:num_first], emitted[:num_first])], decode_emitted
+    targets: np.ndarray  # int32 [R]: argmax of every scored row
+    logits: Any  # float32 [R, V] on the backend (rows of sampled sequences are read from it)
+    drafts: np.ndarray | None  # int64 [nd, q - 1]: the device part's drafts (drafts_on_device), else None
+    score_first: list[int]  # per sequence of the batch: the index of its first row among the R
 
 
-def _graphed_step(runner: ModelRunner, decodes: list, q: int, proposer: Proposer,
-                  mark: Callable[[str], None]) -> list[list[int]]:
-    """The same step for decodes only, as graph replays: propose, verify, one read-back, accept; the drafter's
-    context update runs on the device meanwhile (cuda_graph.py). A DraftProposer's device part replays as the
-    propose graph and its host part runs between it and the verify graph."""
-    graphs, b = runner.graphs, runner.backend
-    if q == 1:  # plain decoding, queued one step ahead
-        targets, logits = graphs.decode(decodes, mark)
-        groups = [VerifyGroup(s, i, np.zeros(0, dtype=np.int64)) for i, s in enumerate(decodes)]
-        return verify_tokens(b, logits, groups, argmax=targets)
-    mask = runner.draft_cfg.mask_token_id
-    if proposer is dflash_propose:
-        step, buf, slot = graphs.propose(decodes, q, mask)
+def completes_prompt(seq: Sequence, n: int) -> bool:
+    """Whether a prefill chunk of n tokens is a fresh prompt's last: its last row's logits give the first token
+    (a preempted sequence recomputing its history already holds its pending token)."""
+    return seq.num_cached + n == seq.prefill_end and not seq.output_ids
+
+
+def decode_chunks(decodes: list[Sequence], q: int, mask: int, ahead: int = 0) -> list[Chunk]:
+    """Each decode's block [pending token, MASK x (q - 1)], `ahead` positions past its committed length."""
+    pad = [mask] * (q - 1)
+    return [Chunk(s, s.num_cached + ahead, [s.last_token] + pad) for s in decodes]
+
+
+class StepPhases:
+    """The device work of the phases, over staged inputs: what the eager path runs and a CUDA graph records."""
+
+    def __init__(self, runner: ModelRunner, proposer: Proposer | None):
+        self.runner, self.b = runner, runner.backend
+        self.proposer = proposer
+        self._rows: dict[tuple[int, int], HeadRows] = {}
+
+    def head_rows(self, n: int, q: int) -> HeadRows:
+        """The proposer's index rows for n blocks of q rows; made outside any CUDA graph capture and kept."""
+        key = (n, q)
+        if key not in self._rows:
+            self._rows[key] = head_rows(self.b, n, q, self.proposer.first_row)
+        return self._rows[key]
+
+    def propose(self, inp: StepTensors) -> HeadOutputs:
+        """The proposer's device part over the decode blocks; drafts that are final go into the verify ids here."""
+        out = self.proposer.device_part(self.runner, inp.draft_batch(self.b), inp.rows)
+        if self.proposer.drafts_on_device:
+            t = inp.layout.rows - inp.layout.draft_rows
+            inp.verify_ids[...] = inp.ids
+            inp.verify_ids[t:][inp.rows.verify] = out.drafts
+        return out
+
+    def verify(self, inp: StepTensors, speculative: bool) -> tuple[Any, Any, Any]:
+        """(argmax int32 [R], float32 logits [R, V], taps [T, K H] or None) of the scored rows."""
+        r = self.runner
+        hidden, taps = r.target.forward(inp.verify_batch(self.b), r.target_kv,
+                                        r.tap_layers if speculative and r.tap_layers else None)
+        if inp.score_rows is not None:
+            hidden = self.b.take_rows(hidden, inp.score_rows)
+        logits = r.target.logits(hidden)
+        return self.b.argmax(logits), logits, taps
+
+    def commit_context(self, inp: StepTensors, taps: Any) -> None:
+        """The drafter's context from every row of the target forward (the rule in the module docstring)."""
+        self.runner.draft.update_context(taps, inp.positions, inp.slots, self.runner.draft_kv)
+
+
+class Executor(Protocol):
+    """How each phase of `SpeculativeStep.run` executes: `Eager`, or replays (cuda_graph.StepGraphs)."""
+
+    def stage(self, plan: StepPlan, q: int, speculative: bool) -> Any: ...
+    def propose(self, staged: Any) -> HeadOutputs: ...
+    def stage_drafts(self, staged: Any, plan: StepPlan, proposal: Proposal) -> Any: ...
+    def verify(self, staged: Any, speculative: bool, read_drafts: bool) -> Verified: ...
+
+
+class GraphExecutor(Executor, Protocol):
+    def takes(self, plan: StepPlan) -> bool: ...  # whether this step's shape replays
+    def rebind(self, phases: StepPhases) -> None: ...  # new phases: what was captured for the old ones goes
+
+
+class SpeculativeStep:
+    def __init__(self, phases: StepPhases, graphs: GraphExecutor | None = None):
+        self.phases, self.runner, self.b = phases, phases.runner, phases.b
+        self.graphs = graphs
+        self.eager = Eager(phases)
+
+    @property
+    def proposer(self) -> Proposer | None:
+        return self.phases.proposer
+
+    def set_proposer(self, proposer: Proposer | None) -> None:
+        """A new proposer: the captured propose graphs and index rows belong to the old one, so they go."""
+        self.phases = StepPhases(self.runner, proposer)
+        self.eager = Eager(self.phases)
+        if self.graphs is not None:
+            self.graphs.rebind(self.phases)
+
+    # ---- the step
+    def run(self, plan: StepPlan, block: int, mark: Mark = _no_mark) -> None:
+        """Advance every planned sequence: emitted tokens and acceptance lengths are appended to the sequences.
+        `mark(phase)` is called as each phase ends ("propose", "verify", "accept"): benchmarks put events there."""
+        speculative = block > 1 and self.runner.draft is not None and self.proposer is not None
+        q = block if speculative else 1
+        graphed = self.graphs is not None and self.graphs.takes(plan)
+        exe: Executor = self.graphs if graphed else self.eager
+        decodes = plan.decodes
+        staged = exe.stage(plan, q, speculative)
+        head = exe.propose(staged) if speculative and decodes else None
+        proposal = None
+        if head is not None and not self.proposer.drafts_on_device:
+            proposal = self.proposer.host_part(self.runner, head, decodes, q)
+            staged = exe.stage_drafts(staged, plan, proposal)
         mark("propose")
-        targets, drafts = graphs.verify(step, buf, slot)
-        proposal = Proposal([d.astype(np.int64) for d in drafts])
-    else:  # a DraftProposer: its device part is the propose graph, its host part runs before the verify graph
-        step, buf, slot = graphs.propose(decodes, q, mask, proposer)
-        proposal = proposer.host_part(runner, step.head_out, decodes, q)
-        mark("propose")
-        targets = graphs.verify_drafts(step, buf, slot, proposal.drafts)
-    mark("verify")
-    groups = [VerifyGroup(s, i * q, proposal.drafts[i], proposal.q[i] if proposal.q is not None else None)
-              for i, s in enumerate(decodes)]
-    return verify_tokens(b, step.logits, groups, argmax=targets.reshape(-1))
+        out = exe.verify(staged, speculative, read_drafts=head is not None and proposal is None)
+        mark("verify")
+        if proposal is None:
+            empty = np.zeros(0, dtype=np.int64)
+            proposal = Proposal(list(out.drafts) if out.drafts is not None else [empty] * len(decodes))
+        first, emitted = self.accept(plan, out, proposal)
+        self.commit(plan, first, emitted)
+        mark("accept")
+
+    def accept(self, plan: StepPlan, out: Verified, proposal: Proposal) -> tuple[list, list[list[int]]]:
+        """(first tokens of prompts completed now, per decode: the tokens it emits)."""
+        groups, first_of = [], []
+        for i, (s, n) in enumerate(plan.prefills):
+            if completes_prompt(s, n):
+                groups.append(VerifyGroup(s, out.score_first[i], np.zeros(0, dtype=np.int64)))
+                first_of.append(s)
+        base = len(plan.prefills)
+        for j, s in enumerate(plan.decodes):
+            q = proposal.q[j] if proposal.q is not None else None
+            groups.append(VerifyGroup(s, out.score_first[base + j], proposal.drafts[j], q))
+        emitted = verify_tokens(self.b, out.logits, groups, argmax=out.targets) if groups else []
+        return list(zip(first_of, emitted[:len(first_of)])), emitted[len(first_of):]
+
+    def commit(self, plan: StepPlan, first: list, emitted: list[list[int]]) -> None:
+        blocks = self.runner.blocks
+        for s, n in plan.prefills:
+            s.num_cached += n
+            blocks.hash_committed(s)
+        for s, tokens in first:
+            s.output_ids.extend(tokens)  # a completed prompt's first token
+        for s, tokens in zip(plan.decodes, emitted):
+            s.num_cached += len(tokens)  # the pending token and the accepted drafts are now committed
+            s.acceptance_lengths.append(len(tokens))
+            s.output_ids.extend(tokens)
+            blocks.trim(s, s.num_cached + 1)  # roll back: slots past the pending token are scratch again
+            blocks.hash_committed(s)
+
+
+class Eager:
+    """Each phase run now, op by op, on inputs staged for exactly this step's rows."""
+
+    def __init__(self, phases: StepPhases):
+        self.phases, self.b, self.runner = phases, phases.b, phases.runner
+
+    def _stage(self, plan: StepPlan, decode: list[Chunk], drafting: bool, q: int) -> StepTensors:
+        """Prefill chunks, then `decode`; the rows scored are a fresh prompt's last row and every decode row."""
+        prefill = [Chunk(s, s.num_cached, s.token_ids[s.num_cached:s.num_cached + n]) for s, n in plan.prefills]
+        score_rows: list[int] = []
+        score_first: list[int] = []
+        row = 0
+        for (s, n), c in zip(plan.prefills, prefill):
+            score_first.append(len(score_rows))
+            row += len(c.ids)
+            if completes_prompt(s, n):
+                score_rows.append(row - 1)
+        for c in decode:
+            score_first.append(len(score_rows))
+            score_rows.extend(range(row, row + len(c.ids)))
+            row += len(c.ids)
+        chunks, every = prefill + decode, not prefill
+        r = self.runner
+        layout = layout_for(chunks, len(decode) if drafting else 0, q if drafting else 0,
+                            0 if every else len(score_rows), r.max_blocks)
+        host = np.empty(layout.size, dtype=np.int32)
+        longest = fill(host, layout, chunks, r.blocks.block_size, r.dummy_block, () if every else score_rows)
+        inp = StepTensors(layout, host, self.b.asarray(host, "i32"), longest, score_first=score_first)
+        if drafting:
+            inp.verify_ids = self.b.zeros((layout.rows,), "i32")
+            inp.rows = self.phases.head_rows(len(decode), q)
+        return inp
+
+    def stage(self, plan: StepPlan, q: int, speculative: bool) -> StepTensors:
+        mask = self.runner.draft_cfg.mask_token_id if speculative else 0
+        drafting = speculative and bool(plan.decodes)
+        return self._stage(plan, decode_chunks(plan.decodes, q, mask), drafting, q)
+
+    def propose(self, inp: StepTensors) -> HeadOutputs:
+        return self.phases.propose(inp)
+
+    def stage_drafts(self, inp: StepTensors, plan: StepPlan, proposal: Proposal) -> StepTensors:
+        """The verify batch again, each decode holding exactly its drafts: a cut proposal verifies fewer rows."""
+        decode = [Chunk(s, s.num_cached, [s.last_token] + [int(t) for t in d])
+                  for s, d in zip(plan.decodes, proposal.drafts)]
+        return self._stage(plan, decode, False, 0)
+
+    def verify(self, inp: StepTensors, speculative: bool, read_drafts: bool) -> Verified:
+        targets, logits, taps = self.phases.verify(inp, speculative)
+        if taps is not None:
+            self.phases.commit_context(inp, taps)
+        drafts = None
+        if read_drafts:
+            slots = inp.layout.q - 1
+            drafts = self.b.to_numpy(inp.verify_ids[inp.layout.rows - inp.layout.draft_rows:]).astype(np.int64)
+            drafts = drafts.reshape(-1, inp.layout.q)[:, 1:1 + slots]
+        return Verified(self.b.to_numpy(targets), logits, drafts, inp.score_first)
+

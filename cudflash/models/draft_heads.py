@@ -88,16 +88,17 @@ class MarkovHead:
         self.w1 = loader.get("markov_head.markov_w1.weight", (vocab, rank))  # W1 [V, r], indexed by target ids
         self.w2 = loader.get("markov_head.markov_w2.weight", (draft_vocab, rank))  # W2 [Vd, r]: r -> drafter vocab
 
-    def walk(self, b: Backend, logits: Any, anchors: Any, by_slot: Any, to_target: Callable[[Any], Any]) -> Any:
-        """Greedy left-to-right drafts, target ids int32 [S n] slot-major, on the backend (no host copy: a CUDA graph
-        can hold it); logits [n S, Vd] are the rows in sequence order, anchors int32 [n], by_slot (HeadRows.by_slot)
-        int32 [S, n] the row of each (slot, sequence)."""
+    def walk(self, b: Backend, logits: Any, anchors: Any, by_slot: Any, seq_major: Any,
+             to_target: Callable[[Any], Any]) -> Any:
+        """Greedy left-to-right drafts, target ids int32 [n S] sequence-major, on the backend (no host copy: a CUDA
+        graph can hold it); logits [n S, Vd] are the rows in sequence order, anchors int32 [n], by_slot and seq_major
+        (HeadRows) the row of each (slot, sequence) and the way back from slot-major order."""
         prev, out = anchors, []
         for e in range(by_slot.shape[0]):
             bias = b.linear(b.embedding(prev, self.w1), self.w2, out_f32=True)  # [n, Vd] float32, as the logits
             prev = to_target(b.argmax(b.add(b.take_rows(logits, by_slot[e]), bias)))
             out.append(prev)
-        return b.cat(out, axis=0)
+        return b.take_rows(b.cat(out, axis=0), seq_major)
 
 
 class ConfidenceHead:

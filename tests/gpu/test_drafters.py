@@ -157,5 +157,5 @@ def test_graphed_verify_gives_the_eager_tokens(pair):
         outs = [o for batch in ([PROMPTS[0]], [PROMPTS[2]], PROMPTS[:2]) for o in llm.generate(batch, params)]
         runs.append([(o.token_ids, o.acceptance_lengths) for o in outs])
         if not eager:
-            assert llm.runner.graphs.num_captures > 0
+            assert llm.engine.graphs.num_captures > 0
     assert runs[1] == runs[0]

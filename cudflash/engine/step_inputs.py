@@ -1,0 +1,165 @@
+"""The inputs of one engine step, packed into one int32 array so that they reach the device in one copy.
+
+Every forward the engine runs (a step's drafter and target batches, eager or replayed from CUDA graphs, and any
+rows a caller asks for) is staged here. A batch is a list of `Chunk`s, one per sequence: `ids` at positions
+start .. start + len(ids) - 1, seeing the keys of positions 0 .. start + len(ids) - 1. Decoding sequences come last,
+so the drafter's batch (their blocks alone) is a suffix of every per-row and per-sequence field.
+
+Layout (`StepLayout`), int32, T rows, n sequences, the last nd of them decoding with q rows each:
+  ids        [T]              token ids: prefill chunks, then each decode's [pending token, MASK x (q - 1)]
+  positions  [T]
+  slots      [T]              paged-cache slot of each row; -1 for a padding row (nothing is stored)
+  context    [n]              keys each sequence sees: positions 0 .. context - 1
+  cu         [n + 1]          sequence s owns rows cu[s] .. cu[s + 1] - 1
+  draft_cu   [nd + 1]         cu of the decode rows alone (the drafter's batch); present when drafting
+  score_rows [R]              rows whose logits are needed; present unless every row's are (R = 0)
+  tables     [n, max_blocks]  block tables, padded with the dummy block
+A padding sequence (a CUDA graph's batch bucket) has mask ids, positions 0 .. q - 1, slots -1, context q and dummy
+blocks: it reads only the dummy block and writes nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Sequence as Seq
+
+import numpy as np
+
+from cudflash.backends.base import AttentionMeta
+from cudflash.engine.proposal import HeadRows
+from cudflash.engine.sequence import Sequence
+from cudflash.models.batch import ForwardBatch
+
+
+class Chunk(NamedTuple):
+    seq: Sequence | None  # None: a padding sequence
+    start: int  # position of ids[0]
+    ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class StepLayout:
+    rows: int  # T
+    seqs: int  # n
+    decodes: int  # nd: the last nd sequences decode, q rows each (0 when there is no drafter batch)
+    q: int  # rows per decoding sequence (0 when there is no drafter batch)
+    score_rows: int  # R; 0: every row is scored
+    max_blocks: int
+
+    @property
+    def draft_rows(self) -> int:
+        return self.decodes * self.q
+
+    @property
+    def tables_at(self) -> int:
+        draft_cu = self.decodes + 1 if self.decodes else 0
+        return 3 * self.rows + 2 * self.seqs + 1 + draft_cu + self.score_rows
+
+    @property
+    def size(self) -> int:
+        return self.tables_at + self.seqs * self.max_blocks
+
+
+def chunk_slots(table: list[int], start: int, count: int, block_size: int) -> list[int]:
+    """Slots of positions start .. start + count - 1: one run per cache block they cross."""
+    out: list[int] = []
+    p, end = start, start + count
+    while p < end:
+        blk, off = divmod(p, block_size)
+        base = table[blk] * block_size + off
+        n = min(block_size - off, end - p)
+        out.extend(range(base, base + n))
+        p += n
+    return out
+
+
+def fill(packed: np.ndarray, layout: StepLayout, chunks: Seq[Chunk], block_size: int, dummy_block: int,
+         score_rows: Seq[int] = ()) -> int:
+    """Write `chunks` into `packed` (int32 [layout.size], any previous contents); returns the longest context.
+
+    This runs on every step while the device waits, so the small fields go through one Python list and one slice
+    assignment rather than a numpy call per field and per sequence."""
+    n, q, max_blocks = layout.seqs, layout.q, layout.max_blocks
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    ctx: list[int] = []
+    cu = [0]
+    tables = packed[layout.tables_at:].reshape(n, max_blocks)
+    for i, (seq, start, tokens) in enumerate(chunks):
+        count = len(tokens)
+        ids += tokens
+        positions += range(start, start + count)
+        row = tables[i]
+        if seq is None:
+            slots += [-1] * count
+            row[:] = dummy_block
+        else:
+            table = seq.block_table
+            slots += chunk_slots(table, start, count, block_size)
+            row[:len(table)] = table
+            row[len(table):] = dummy_block
+        ctx.append(start + count)
+        cu.append(cu[-1] + count)
+    head = ids + positions + slots + ctx + cu
+    if layout.decodes:
+        first = cu[n - layout.decodes]
+        head += [c - first for c in cu[n - layout.decodes:]]
+    head += score_rows
+    packed[:layout.tables_at] = head
+    return max(ctx)
+
+
+@dataclass
+class StepTensors:
+    """One staged batch as the models take it: views of the packed array on the backend (`device`) and of its host
+    copy (`host`: the attention metadata's host side, which the numpy backend and the launch-shape choices read)."""
+
+    layout: StepLayout
+    host: np.ndarray  # int32 [layout.size]
+    device: Any  # int32 [layout.size] on the backend (the host array itself on the numpy backend)
+    max_context: int  # the longest context, or the CUDA graph's context bucket
+    verify_ids: Any = None  # int32 [T]: ids with the drafts in place of the masks (a drafting step), else ids
+    rows: HeadRows | None = None  # the drafter heads' index rows of the decode blocks (a drafting step)
+    score_first: list[int] | None = None  # per sequence: the index of its first scored row among the logits rows
+
+    def _view(self, a: Any, name: str) -> Any:
+        t, n, nd, r = self.layout.rows, self.layout.seqs, self.layout.decodes, self.layout.score_rows
+        at = {"ids": (0, t), "positions": (t, 2 * t), "slots": (2 * t, 3 * t), "context": (3 * t, 3 * t + n),
+              "cu": (3 * t + n, 3 * t + 2 * n + 1)}
+        draft_cu = 3 * t + 2 * n + 1
+        at["draft_cu"] = (draft_cu, draft_cu + (nd + 1 if nd else 0))
+        at["score_rows"] = (at["draft_cu"][1], at["draft_cu"][1] + r)
+        lo, hi = at[name]
+        return a[lo:hi]
+
+    def _tables(self, a: Any) -> Any:
+        return a[self.layout.tables_at:].reshape(self.layout.seqs, self.layout.max_blocks)
+
+    def __post_init__(self) -> None:
+        self.ids, self.positions, self.slots = (self._view(self.device, f) for f in ("ids", "positions", "slots"))
+        if self.verify_ids is None:
+            self.verify_ids = self.ids
+        self.score_rows = self._view(self.device, "score_rows") if self.layout.score_rows else None
+
+    def meta(self, backend: Any, drafter: bool = False) -> AttentionMeta:
+        """The attention metadata of the whole batch, or of the decode rows alone (`drafter`)."""
+        lay, h, d = self.layout, self.host, self.device
+        first = lay.seqs - lay.decodes if drafter else 0
+        cu = "draft_cu" if drafter else "cu"
+        host_cu = self._view(h, cu)
+        max_q = lay.q if drafter else int(np.max(np.diff(host_cu)))
+        meta = AttentionMeta(host_cu, self._view(h, "context")[first:], self._tables(h)[first:], max_q,
+                             self.max_context)
+        return backend.prepare_meta(meta, (self._view(d, cu), self._view(d, "context")[first:],
+                                           self._tables(d)[first:]))
+
+    def verify_batch(self, backend: Any) -> ForwardBatch:
+        return ForwardBatch(self.verify_ids, self.positions, self.slots, self.meta(backend))
+
+    def draft_batch(self, backend: Any) -> ForwardBatch:
+        t = self.layout.rows - self.layout.draft_rows
+        return ForwardBatch(self.ids[t:], self.positions[t:], self.slots[t:], self.meta(backend, drafter=True))
+
+
+def layout_for(chunks: Seq[Chunk], decodes: int, q: int, score_rows: int, max_blocks: int) -> StepLayout:
+    return StepLayout(sum(len(c.ids) for c in chunks), len(chunks), decodes, q, score_rows, max_blocks)
