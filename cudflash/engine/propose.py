@@ -89,13 +89,13 @@ class DraftProposer:
         b, draft = runner.backend, runner.draft
         h = b.take_rows(runner.draft_forward(batch), rows.draft)  # [n S, H]
         logits = draft.logits(h, runner.target)  # [n S, Vd]
+        if draft.selector is None and draft.markov is None:
+            return HeadOutputs(h, draft.to_target(b.argmax(logits)))
         anchors = b.take_rows(batch.ids, rows.anchor)
         if draft.selector is not None:
             scores, cand = draft.selector.lattice(b, logits, h, anchors, rows.pred, draft.to_target)
             return HeadOutputs(h, scores=scores, cand=cand)
-        if draft.markov is not None:
-            return HeadOutputs(h, draft.markov.walk(b, logits, anchors, rows.by_slot, rows.seq_major, draft.to_target))
-        return HeadOutputs(h, draft.to_target(b.argmax(logits)))
+        return HeadOutputs(h, draft.markov.walk(b, logits, anchors, rows.by_slot, rows.seq_major, draft.to_target))
 
     def host_part(self, runner: ModelRunner, out: HeadOutputs, seqs: list[Sequence], block: int) -> Proposal:
         b, draft = runner.backend, runner.draft

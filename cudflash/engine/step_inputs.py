@@ -13,9 +13,10 @@ Layout (`StepLayout`), int32, T rows, n sequences, the last nd of them decoding 
   cu         [n + 1]          sequence s owns rows cu[s] .. cu[s + 1] - 1
   draft_cu   [nd + 1]         cu of the decode rows alone (the drafter's batch); present when drafting
   score_rows [R]              rows whose logits are needed; present unless every row's are (R = 0)
-  tables     [n, max_blocks]  block tables, padded with the dummy block
-A padding sequence (a CUDA graph's batch bucket) has mask ids, positions 0 .. q - 1, slots -1, context q and dummy
-blocks: it reads only the dummy block and writes nothing.
+  tables     [n, max_blocks]  block tables; entries past a sequence's own blocks are left as they were (attention
+                              reads the blocks of positions below the context only)
+A padding sequence (a CUDA graph's batch bucket) has mask ids, positions 0 .. q - 1, slots -1, context q and the
+dummy block first in its table: it reads only the dummy block and writes nothing.
 """
 from __future__ import annotations
 
@@ -89,15 +90,13 @@ def fill(packed: np.ndarray, layout: StepLayout, chunks: Seq[Chunk], block_size:
         count = len(tokens)
         ids += tokens
         positions += range(start, start + count)
-        row = tables[i]
         if seq is None:
             slots += [-1] * count
-            row[:] = dummy_block
+            tables[i, 0] = dummy_block
         else:
             table = seq.block_table
             slots += chunk_slots(table, start, count, block_size)
-            row[:len(table)] = table
-            row[len(table):] = dummy_block
+            tables[i, :len(table)] = table
         ctx.append(start + count)
         cu.append(cu[-1] + count)
     head = ids + positions + slots + ctx + cu
@@ -105,7 +104,7 @@ def fill(packed: np.ndarray, layout: StepLayout, chunks: Seq[Chunk], block_size:
         first = cu[n - layout.decodes]
         head += [c - first for c in cu[n - layout.decodes:]]
     head += score_rows
-    packed[:layout.tables_at] = head
+    packed[:layout.tables_at] = np.array(head, dtype=np.int32)  # faster than assigning the list itself
     return max(ctx)
 
 

@@ -57,7 +57,8 @@ def test_replay_equals_eager_for_every_drafter(both, batch, sampled):
     got = graphed.generate(prompts[:batch], params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.acceptance_lengths for o in got] == [o.acceptance_lengths for o in want]
-    assert graphed.engine.graphs.num_replays >= replays + 30  # decode steps replayed graphs
+    steps = max(len(o.acceptance_lengths) for o in got)  # decode steps of the batch
+    assert graphed.engine.graphs.num_replays - replays >= steps - 1  # all but a step sharing a prefill replayed
 
 
 @pytest.mark.parametrize("batch", [1, 8])
