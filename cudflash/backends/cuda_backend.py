@@ -15,7 +15,7 @@ import cupy
 import numpy as np
 
 from cudflash.backends import kernel_loader, stream_gemm
-from cudflash.backends.base import AttentionMeta
+from cudflash.backends.base import AttentionMeta, DeferredNorm
 from cudflash.backends.cublas import Cublas
 from cudflash.backends.cuda_attention import attention as _attention
 from cudflash.backends.cuda_attention import upload_meta
@@ -249,8 +249,8 @@ class CudaBackend:
     def linear_add_rms_norm(self, x: cupy.ndarray, weight: cupy.ndarray, bias: cupy.ndarray | None,
                             residual: cupy.ndarray, norm_weight: cupy.ndarray, eps: float):
         """See base.Backend.linear_add_rms_norm. Where the weight streams (stream_gemm.usable), one launch: the
-        GEMM's epilogue adds the residual and leaves a DeferredNorm for the next GEMM, so no RMSNorm kernel (and
-        no wait on one) sits between the two; else the GEMM and the fused add + RMSNorm kernel."""
+        GEMM's epilogue adds the residual and leaves a DeferredNorm with its partial form for the next GEMM, so no
+        RMSNorm kernel (and no wait on one) sits between the two; else the GEMM and the fused add + RMSNorm kernel."""
         rows = as_rows(x)
         (m, k), n = rows.shape, weight.shape[0]
         if bias is None and x.dtype == self.act and residual.dtype == cupy.float32 and residual.flags.c_contiguous \
@@ -268,11 +268,11 @@ class CudaBackend:
             x = cupy.ascontiguousarray(bits(x)).view(self.act)
         return x
 
-    def linear(self, x: cupy.ndarray | stream_gemm.DeferredNorm, weight: cupy.ndarray,
+    def linear(self, x: cupy.ndarray | DeferredNorm, weight: cupy.ndarray,
                bias: cupy.ndarray | None = None, out_f32: bool = False) -> cupy.ndarray:
         return self._add_bias(self._gemm(x, weight, cupy.float32 if out_f32 else self.act, swiglu=False), bias)
 
-    def _gemm(self, x: cupy.ndarray | stream_gemm.DeferredNorm, weight: cupy.ndarray, out_dtype: np.dtype,
+    def _gemm(self, x: cupy.ndarray | DeferredNorm, weight: cupy.ndarray, out_dtype: np.dtype,
               swiglu: bool) -> cupy.ndarray:
         """x @ weight.T as a new [M, N] array of out_dtype; swiglu: weight is gate_up_weight's [2I, H] and the result
         the bf16 [M, I] of silu(gate) * up (in the streamed GEMM's epilogue, else by the swiglu kernel)."""
@@ -281,10 +281,10 @@ class CudaBackend:
         def streamed_out(m: int) -> cupy.ndarray:  # what the streamed GEMM writes
             return cupy.empty((m, n // 2) if swiglu else (m, n), dtype=self.act if swiglu else out_dtype)
 
-        if isinstance(x, stream_gemm.DeferredNorm):
+        if isinstance(x, DeferredNorm):
             m, k = x.shape
-            if weight.dtype == self.act and weight.shape[1] == k and weight.flags.c_contiguous \
-                    and stream_gemm.usable(m, n, k, weight.nbytes):
+            if x.partial is not None and weight.dtype == self.act and weight.shape[1] == k \
+                    and weight.flags.c_contiguous and stream_gemm.usable(m, n, k, weight.nbytes):
                 y = streamed_out(m)
                 stream_gemm.row_scaled(x, weight, y, self.num_sms, swiglu)
                 return y
@@ -331,7 +331,7 @@ class CudaBackend:
         out[:, 1] = bits(up).reshape(inter // 8, 8, h)
         return out.reshape(2 * inter, h).view(self.act)
 
-    def swiglu(self, x: cupy.ndarray | stream_gemm.DeferredNorm, gate_up: cupy.ndarray) -> cupy.ndarray:
+    def swiglu(self, x: cupy.ndarray | DeferredNorm, gate_up: cupy.ndarray) -> cupy.ndarray:
         if gate_up.shape[0] % 16:
             raise BackendError(f"cuda swiglu: gate_up has {gate_up.shape[0]} rows, expected 2 I with I % 8 == 0")
         return self._gemm(x, gate_up, self.act, swiglu=True)

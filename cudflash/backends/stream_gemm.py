@@ -20,7 +20,8 @@ larger prefill competes with the latency-bound kernels in front, which is what P
 
 Two epilogues remove the RMSNorm launches between a layer's GEMMs (`Epilogue`): the GEMM in front of a norm
 (o_proj, down) adds the residual and writes `norm_w * r` with its partial sums of r^2, and the GEMM after it
-(gate_up, the next qkv) scales its output rows by the rsqrt those sums give. `DeferredNorm` carries the product.
+(gate_up, the next qkv) scales its output rows by the rsqrt those sums give. A base.DeferredNorm carries the
+product (its `partial`: PartialNorm).
 A third removes the SwiGLU kernel between gate_up and down: with gate and up rows interleaved in groups of 8
 (CudaBackend.gate_up_weight), gate_up's epilogue holds both halves of a feature in one lane and writes
 silu(gate) * up as bf16 (`swiglu`).
@@ -30,11 +31,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import cupy
 
 from cudflash.backends import kernel_loader, pdl
+from cudflash.backends.base import DeferredNorm
 from cudflash.backends.cuda_util import i32
 from cudflash.errors import BackendError
 
@@ -148,22 +150,15 @@ class Epilogue(ctypes.Structure):  # struct Epilogue in stream_gemm.cu, passed b
                 ("ssq", ctypes.c_void_p), ("parts", ctypes.c_int), ("width", ctypes.c_int), ("eps", ctypes.c_float)]
 
 
-@dataclass(eq=False)
-class DeferredNorm:
-    """rms_norm(residual) * weight, not yet scaled by its rows' rsqrt: what an SG_ADD_NORM GEMM leaves for the next
-    GEMM, which applies the scale to its output rows (SG_ROW_SCALE). For a consumer that cannot (a small weight on
-    cuBLAS), CudaBackend.linear fills `plain` once with the RMSNorm kernel's rows."""
+@dataclass(frozen=True, eq=False)
+class PartialNorm:
+    """rms_norm(residual) * weight, not yet scaled by its rows' rsqrt (a DeferredNorm's `partial`): what an
+    SG_ADD_NORM GEMM leaves for the next GEMM, which applies the scale to its output rows (SG_ROW_SCALE). For a
+    consumer that cannot (a small weight on cuBLAS), CudaBackend.linear fills the DeferredNorm's `plain` once with
+    the RMSNorm kernel's rows."""
 
     normed: cupy.ndarray  # [M, H] bf16: weight * residual
     ssq: cupy.ndarray  # [parts, MAX_ROWS] float32: each producer CTA's sums of residual^2 over its columns
-    residual: cupy.ndarray  # [M, H] float32: the residual stream the norm is of
-    weight: cupy.ndarray  # [H] bf16
-    eps: float
-    plain: cupy.ndarray | None = field(default=None, repr=False)  # [M, H] bf16, once materialized
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.normed.shape
 
 
 @functools.cache
@@ -224,14 +219,15 @@ def add_norm(x: cupy.ndarray, w: cupy.ndarray, residual: cupy.ndarray, norm_w: c
     normed = cupy.empty((m, n), dtype=w.dtype)
     ssq = cupy.empty((parts, MAX_ROWS), dtype=cupy.float32)
     _launch(x, w, r, num_sms, ADD_NORM, Epilogue(residual.data.ptr, norm_w.data.ptr, normed.data.ptr, ssq.data.ptr))
-    return DeferredNorm(normed, ssq, r, norm_w, eps), r
+    return DeferredNorm(r, norm_w, eps, partial=PartialNorm(normed, ssq)), r
 
 
 def row_scaled(x: DeferredNorm, w: cupy.ndarray, y: cupy.ndarray, num_sms: int, swiglu: bool = False) -> None:
-    """y = rms_norm(x.residual) * x.weight @ w.T, from the deferred form: x.normed @ w.T, rows scaled (swiglu: as
-    in stream_gemm)."""
-    _launch(x.normed, w, y, num_sms, ROW_SCALE | (SWIGLU if swiglu else 0),
-            Epilogue(ssq=x.ssq.data.ptr, parts=x.ssq.shape[0], width=x.normed.shape[1], eps=x.eps))
+    """y = rms_norm(x.residual) * x.weight @ w.T, from the partial form add_norm left: normed @ w.T, rows scaled
+    (swiglu: as in stream_gemm)."""
+    part: PartialNorm = x.partial
+    _launch(part.normed, w, y, num_sms, ROW_SCALE | (SWIGLU if swiglu else 0),
+            Epilogue(ssq=part.ssq.data.ptr, parts=part.ssq.shape[0], width=part.normed.shape[1], eps=x.eps))
 
 
 def _launch(x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray, num_sms: int, epilogue: int, epi: Epilogue) -> None:

@@ -9,8 +9,8 @@ import pytest
 cp = pytest.importorskip("cupy")
 
 from cudflash.backends import stream_gemm as sg  # noqa: E402
+from cudflash.backends.base import DeferredNorm  # noqa: E402
 from cudflash.backends.cuda_util import bits  # noqa: E402
-
 from cudflash.backends.numpy_backend import NumpyBackend  # noqa: E402
 
 from .test_ops import NAN_BITS, check, poison_pool, rnd  # noqa: E402
@@ -177,7 +177,7 @@ def test_swiglu_epilogue_has_the_bits_of_the_swiglu_kernel(cb, rng, m):
     w_in = cb.asarray(rnd(rng, h, 4096, scale=4096 ** -0.5), "act")  # a producer that streams (8 MiB)
     normed, _ = cb.linear_add_rms_norm(cb.asarray(rnd(rng, m, 4096), "act"), w_in, None, res,
                                        cb.asarray(rnd(rng, h) + 1, "act"), EPS)
-    assert isinstance(normed, sg.DeferredNorm)
+    assert isinstance(normed, DeferredNorm) and isinstance(normed.partial, sg.PartialNorm)
     fused = cb.swiglu(normed, w)
     sg.row_scaled(normed, w, y32, cb.num_sms)
     assert cp.array_equal(bits(fused), bits(cb._swiglu_rows(y32)))
@@ -217,7 +217,7 @@ def test_linear_add_rms_norm_defers_the_norm_into_the_next_gemm(cb, rng, m):
     ref_normed, ref_r = nb.add_rms_norm(host["x"] @ host["w"].T, host["res"], host["nw"], EPS)
     poison_pool(16 * H * 4 * 4)
     normed, r = cb.linear_add_rms_norm(dev["x"], dev["w"], None, dev["res"], dev["nw"], EPS)
-    assert isinstance(normed, sg.DeferredNorm) and normed.ssq.shape[1] == sg.MAX_ROWS
+    assert isinstance(normed, DeferredNorm) and normed.partial.ssq.shape[1] == sg.MAX_ROWS
     check(cb.to_numpy(r), ref_r, tol=1e-5)
     y = cb.linear(normed, dev["w2"], out_f32=True)
     check(cb.to_numpy(y), ref_normed @ host["w2"].T, tol=1e-2)
