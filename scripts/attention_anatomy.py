@@ -7,12 +7,12 @@ graphs of 20 copies. Usage on a GPU machine: python3 scripts/attention_anatomy.p
 """
 import statistics
 import cupy
-from cudflash.backends import kernel_loader
+from cudflash.backends import kernel_loader, kernel_source
 import cudflash.backends.cuda_attention as A
 from cudflash.backends.base import build_meta
 from cudflash.backends.cuda_backend import CudaBackend
 b = CudaBackend(); stream = cupy.cuda.get_current_stream()
-real_source = kernel_loader.source
+real_source = kernel_source.source
 orig = real_source("attention")
 def time_graph(fn, copies=20):
     fn(); stream.begin_capture()
@@ -37,7 +37,7 @@ A.SPLIT_KEYS = 1 << 20
 for name, src in variants.items():
     kernel_loader.module.cache_clear(); kernel_loader.function.cache_clear()
     A._smem_raised.clear()
-    kernel_loader.source = (lambda s: (lambda n: s if n == "attention" else real_source(n)))(src)
+    kernel_source.source = (lambda s: (lambda n: s if n == "attention" else real_source(n)))(src)
     out = []
     for ctx in (64, 512):
         kc = b.random((ctx // 16 + 2, 16, 8, D), 1.0, 3); vc = b.random((ctx // 16 + 2, 16, 8, D), 1.0, 4)

@@ -50,10 +50,10 @@ if __name__ == "__main__":
     if args[:1] == ["--kernels"]:
         from pathlib import Path
 
-        from cudflash.backends import kernel_loader
+        from cudflash.backends import kernel_source
 
         folder = Path(args[1]).resolve()
-        kernel_loader.kernel_dir = lambda: folder
+        kernel_source.kernel_root = lambda kernel_dir=None: folder
         args = args[2:]
     cut = args.index("--") if "--" in args else len(args)
     apply(args[:cut])
