@@ -1,49 +1,72 @@
-"""Compiling the CUDA sources (kernel_source.py) with NVRTC through cupy.RawModule, once per process.
+"""Compiling the CUDA sources (kernel_source.py) with NVRTC through cupy.RawModule, once per process for each source
+folder and set of options a tuning asks for.
 
 CuPy picks `-arch=sm_XX` for the current device itself. Kernels come back as `Kernel`, which launches like a
-RawKernel and, while a CUDA graph is being captured, with programmatic dependent launch (pdl.py).
+RawKernel and, while a CUDA graph is being captured and the tuning allows it, with programmatic dependent launch
+(pdl.py).
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import cupy
 
-from cudflash.backends import kernel_source, pdl, trace
+from cudflash.backends import kernel_source, pdl
+from cudflash.backends.tuning import CudaTuning
 
 _OPTIONS: tuple[str, ...] = ()  # CuPy adds -arch for the device and --std=c++17 (v14) itself
-# CUDFLASH_TRACE=1 compiles the step timeline in (common.cuh, trace.py): every module compiled that way is kept for
-# scripts/step_timeline.py to read.
-TRACE = os.environ.get("CUDFLASH_TRACE") == "1"
-traced: list[tuple[str, cupy.RawModule]] = []
+# Every module compiled in this process, in order: (name, the tuning's extra NVRTC options, module). Tools that read
+# a module's device globals (scripts/step_timeline.py) find their modules here.
+loaded: list[tuple[str, tuple[str, ...], cupy.RawModule]] = []
 
 
 @functools.cache
-def module(name: str, name_expressions: tuple[str, ...] = ()) -> cupy.RawModule:
-    """The compiled module of `kernels/<name>.cu` with the given template instantiations."""
-    options = _OPTIONS + (("-DCF_TRACE", f"-DCF_TRACE_MODULE={trace.MODULES.index(name)}") if TRACE else ())
-    mod = cupy.RawModule(code=kernel_source.source(name), options=options, name_expressions=name_expressions or None)
-    if TRACE:
-        traced.append((name, mod))
+def _module(name: str, name_expressions: tuple[str, ...], kernel_dir: str | None,
+            options: tuple[str, ...]) -> cupy.RawModule:
+    mod = cupy.RawModule(code=kernel_source.source(name, kernel_dir), options=_OPTIONS + options,
+                         name_expressions=name_expressions or None)
+    loaded.append((name, options, mod))
     return mod
+
+
+def module(name: str, name_expressions: tuple[str, ...] = (), *, tuning: CudaTuning) -> cupy.RawModule:
+    """The compiled module of `<name>.cu` with the given template instantiations."""
+    return _module(name, tuple(name_expressions), tuning.kernel_dir, tuning.nvrtc_options)
 
 
 class Kernel:
     """A compiled kernel, called like a RawKernel: `kernel(grid, block, args, shared_mem=0)`."""
 
-    def __init__(self, raw: cupy.RawKernel) -> None:
+    def __init__(self, raw: cupy.RawKernel, use_pdl: bool) -> None:
         self.raw = raw  # the CuPy kernel: attributes, dynamic shared memory opt-in
+        self.use_pdl = use_pdl  # the tuning's `pdl`
+        self._shared = 0  # the dynamic shared memory opted in to so far (bytes)
+
+    def programmatic(self, stream: cupy.cuda.Stream) -> bool:
+        """Whether a launch on `stream` now goes with programmatic dependent launch: only inside a capture, where
+        the gaps show (eager launches gain nothing worth the extra Python work per call)."""
+        return self.use_pdl and stream.is_capturing() and pdl.available()
+
+    def reserve_shared(self, nbytes: int) -> None:
+        """Opt in to `nbytes` of dynamic shared memory per CTA (above the default 48 KiB)."""
+        if nbytes > self._shared:
+            self.raw.max_dynamic_shared_size_bytes = nbytes
+            self._shared = nbytes
 
     def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0) -> None:
         stream = cupy.cuda.get_current_stream()
-        if stream.is_capturing() and pdl.available():
+        if self.programmatic(stream):
             pdl.launch(self.raw, grid, block, args, shared_mem, stream)
         else:
             self.raw(grid, block, args, shared_mem=shared_mem)
 
 
 @functools.cache
-def function(name: str, kernel: str, name_expressions: tuple[str, ...] = ()) -> Kernel:
-    """One kernel of `kernels/<name>.cu`: an `extern "C"` name, or one of `name_expressions` (templates)."""
-    return Kernel(module(name, name_expressions).get_function(kernel))
+def _function(name: str, kernel: str, name_expressions: tuple[str, ...], kernel_dir: str | None,
+              options: tuple[str, ...], use_pdl: bool) -> Kernel:
+    return Kernel(_module(name, name_expressions, kernel_dir, options).get_function(kernel), use_pdl)
+
+
+def function(name: str, kernel: str, name_expressions: tuple[str, ...] = (), *, tuning: CudaTuning) -> Kernel:
+    """One kernel of `<name>.cu`: an `extern "C"` name, or one of `name_expressions` (templates)."""
+    return _function(name, kernel, tuple(name_expressions), tuning.kernel_dir, tuning.nvrtc_options, tuning.pdl)

@@ -58,9 +58,6 @@ from cudflash.engine.sequence import Sequence
 from cudflash.engine.staging import fill_step_inputs
 from cudflash.models.batch import ForwardBatch
 
-# StepGraphs.pipeline's default; A/B: scripts/bench_switch.py cudflash.engine.cuda_graph.RUN_AHEAD=0
-RUN_AHEAD = True
-
 
 def pinned_int32(size: int) -> np.ndarray:
     """A host int32 array in page-locked memory, so that a copy into it is asynchronous DMA."""
@@ -169,7 +166,7 @@ class StepGraphs:
         # step, least recently used first
         self.steps: OrderedDict[tuple, CapturedStep] = OrderedDict()
         self.num_captures = 0
-        self.pipeline = RUN_AHEAD  # plain decoding queues the next step before waiting for this one (`decode`)
+        self.pipeline = self.b.tuning.run_ahead  # plain decoding queues the next step before waiting (`decode`)
         self.pending: Launched | None = None  # the step `decode` queued ahead
         self.num_run_ahead = 0  # decode steps that found themselves already queued
 
