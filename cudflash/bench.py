@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from cudflash.backends.tuning import CudaTuning
 from cudflash.engine.llm_engine import LLM
 from cudflash.sampling_params import SamplingParams
 from cudflash.tiny import TinyHeads, TinyShape, draft_config, target_config
@@ -216,7 +217,8 @@ def format_table(results: list[BatchResult], copy_gb_s: float | None) -> str:
     return "\n".join(lines)
 
 
-def run_bench(args) -> str:
+def run_bench(args, tuning: CudaTuning | None = None) -> str:
+    tuning = tuning or CudaTuning()
     synthetic = args.synthetic is not None
     folder = tempfile.mkdtemp(prefix="cudflash-bench-") if synthetic else None
     target, draft = (write_synthetic_configs(args.synthetic, Path(folder), args.drafter) if synthetic
@@ -225,15 +227,17 @@ def run_bench(args) -> str:
     llm = LLM(target, draft=draft, backend=args.backend, block_size=args.block_size, max_num_seqs=max(batches),
               max_num_batched_tokens=max(8192, args.prompt_len * max(batches)), random_weights=synthetic,
               progress=not synthetic, memory_utilization=args.gpu_memory_utilization,
-              enforce_eager=args.enforce_eager,
+              enforce_eager=args.enforce_eager, tuning=tuning,
               draft_options=None if args.draft_context_window is None else
               {"context_window": args.draft_context_window})
     copy = copy_bandwidth_gb_s(llm.backend)
     results = [bench_batch(llm, n, args.prompt_len, args.steps, args.warmup, measured_tau=not synthetic)
                for n in batches]
+    changed = tuning.changed()  # an A/B run says what it changed
     if args.json is not None:
         Path(args.json).write_text(json.dumps({"backend": llm.backend.name, "model": args.synthetic or str(target),
                                                "drafter": args.drafter if synthetic else str(draft),
-                                               "copy_gb_per_s": copy, "results": [asdict(r) for r in results]},
-                                              indent=2))
-    return format_table(results, copy)
+                                               "copy_gb_per_s": copy, "tuning": changed,
+                                               "results": [asdict(r) for r in results]}, indent=2))
+    table = format_table(results, copy)
+    return table + "\ntuning: " + ", ".join(f"{k}={v}" for k, v in changed.items()) if changed else table

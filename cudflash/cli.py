@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="bound every drafter layer's attention to the last N positions")
     bench.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (op by op on the GPU)")
     bench.add_argument("--json", type=Path, metavar="FILE", help="write the numbers as JSON too")
+    bench.add_argument("--tune", action="append", default=[], metavar="NAME=VALUE",
+                       help="set a field of the CUDA backend's tuning (cudflash/backends/tuning.py), e.g. "
+                            "stream_gemm_prefill_stages=1, pdl=0, kernel_dir=DIR; repeatable, for A/B runs of one tree")
     return parser
 
 
@@ -156,9 +159,10 @@ def main(argv: list[str] | None = None) -> None:
                 raise RequestError("bench --target needs --draft")
             if args.target is not None and args.drafter != "dflash":
                 raise RequestError("bench --drafter picks the family of a --synthetic drafter; --draft brings its own")
+            from cudflash.backends.tuning import parse_tuning
             from cudflash.bench import run_bench
 
-            print(run_bench(args))
+            print(run_bench(args, parse_tuning(args.tune)))  # a bad --tune fails before anything loads
     except CudflashError as e:
         _fail(str(e))
     except KeyboardInterrupt:

@@ -47,12 +47,13 @@ __device__ __forceinline__ void store8(float* row, int c, const float* f) {
     reinterpret_cast<float4*>(row)[2 * c + 1] = make_float4(f[4], f[5], f[6], f[7]);
 }
 
-// The step timeline (scripts/step_timeline.py), compiled in only with -DCF_TRACE (kernel_loader.py does so when
-// CUDFLASH_TRACE=1): thread 0 of every CTA appends an event when the CTA starts (pdl_launch_dependents) and when
-// its wait for the kernel in front returns (pdl_wait), and a kernel may mark when the CTA's outputs are written
-// (cf_trace_event(2): stream_gemm, attention, rope): cf_trace[2 i] = %globaltimer (ns), cf_trace[2 i + 1] = kind
-// (bits 62-63: 0 start, 1 released, 2 end) | module (56-61) | SM (48-55) | warps per CTA (42-47) | CTAs in the grid
-// (21-41) | CTA index (0-20). One buffer per compiled module; the script reads and resets them.
+// The step timeline (scripts/step_timeline.py), compiled in only with -DCF_TRACE (a tuning's nvrtc_options:
+// scripts/step_trace.py's OPTIONS): thread 0 of every CTA appends an event when the CTA starts
+// (pdl_launch_dependents) and when its wait for the kernel in front returns (pdl_wait), and a kernel may mark when
+// the CTA's outputs are written (cf_trace_event(2): stream_gemm, attention, rope): cf_trace[2 i] = %globaltimer (ns),
+// cf_trace[2 i + 1] = kind (bits 62-63: 0 start, 1 released, 2 end) | module (56-61) | SM (48-55) | warps per CTA
+// (42-47) | CTAs in the grid (21-41) | CTA index (0-20). One buffer per compiled module; the script reads and resets
+// them.
 #ifdef CF_TRACE
 #define CF_TRACE_CAP (1 << 18)
 __device__ unsigned long long cf_trace[2 * CF_TRACE_CAP];

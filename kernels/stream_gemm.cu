@@ -17,7 +17,7 @@
 // stage's 2 KT / 64 box copies). Barriers: full[s] (1 arrival + the bytes), empty[s] (one per compute warp).
 // Before griddepcontrol.wait the copy warp requests the weight boxes of the first `prefill` stages; the rest of the
 // ring and x's boxes follow the wait. (A stage or two is the head start; a full ring's prefill only competes with
-// the latency-bound kernels in front for HBM: stream_gemm.py's PREFILL_STAGES.)
+// the latency-bound kernels in front for HBM: the tuning's stream_gemm_prefill_stages.)
 // Resident x (XRES, few rows): x's rows are copied once into shared memory after the wait (one bulk copy per row,
 // rows padded by 16 bytes so ldmatrix's eight rows hit eight bank groups) and the ring holds weight boxes only,
 // as many stages as with boxes (more measured slower in a decode step while the whole ring was the prefill: a

@@ -6,8 +6,9 @@ completion. This measures that in isolation: a graph of [spin kernel (one CTA, P
 GEMM] against a graph of the spin alone, with four weights in turn so that none stays in L2. The difference is the
 GEMM's cost after release, completion included; the floor is its weight bytes at 4.25 TB/s.
 Used in session 9 to find the per-stage cost of x's boxes at M = 1 (BENCHMARKS.md).
-Usage: PYTHONPATH=$PWD python3 scripts/gemm_release_cost.py [stream_gemm NAME=VALUE ...]
-  e.g. X_RESIDENT_BYTES=0 (x in boxes at every M), SMEM_BUDGET=200704
+Usage: PYTHONPATH=$PWD python3 scripts/gemm_release_cost.py [NAME=VALUE ...]
+  NAME=VALUE: a field of the CUDA backend's tuning, as `cudflash bench --tune` takes it, e.g.
+  stream_gemm_prefill_stages=0 or kernel_dir=/tmp/base/kernels
 """
 import statistics
 import sys
@@ -15,11 +16,10 @@ import sys
 import cupy
 import numpy as np
 
-sys.path.insert(0, "scripts")
-from bench_switch import apply  # noqa: E402
-
-from cudflash.backends import pdl  # noqa: E402
-from cudflash.backends import stream_gemm as sg  # noqa: E402
+from cudflash.backends import pdl
+from cudflash.backends import stream_gemm as sg
+from cudflash.backends.tuning import CudaTuning, parse_tuning
+from cudflash.errors import ConfigError
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 SWIGLU = {"gate_up+swiglu": (24576, 4096)}  # the same GEMM with its SwiGLU epilogue (bf16 [M, N / 2] out)
@@ -56,7 +56,7 @@ def median_us(stream: cupy.cuda.Stream, graphs: list, reps: int = 60) -> float:
 
 
 def release_cost(n: int, k: int, m: int, spin: cupy.RawKernel, stream: cupy.cuda.Stream, sms: int,
-                 swiglu: bool = False) -> float:
+                 tuning: CudaTuning, swiglu: bool = False) -> float:
     x = cupy.zeros((m, k), dtype=cupy.uint16)  # bf16 bits; the kernels only see pointers
     y = cupy.empty((m, n // 2), dtype=cupy.uint16) if swiglu else cupy.empty((m, n), dtype=cupy.float32)
     weights = [(cupy.random.standard_normal((n, k), dtype=cupy.float32).view(cupy.uint32) >> 16).astype(cupy.uint16)
@@ -66,12 +66,15 @@ def release_cost(n: int, k: int, m: int, spin: cupy.RawKernel, stream: cupy.cuda
         pdl.launch(spin, (1,), (128,), (np.int64(SPIN_US * 1000), x, np.int32(m * k)), 0, stream)
 
     alone = [graph(stream, spin_x)]
-    with_gemm = [graph(stream, lambda w=w: (spin_x(), sg.stream_gemm(x, w, y, sms, swiglu))) for w in weights]
+    with_gemm = [graph(stream, lambda w=w: (spin_x(), sg.stream_gemm(x, w, y, sms, tuning, swiglu))) for w in weights]
     return median_us(stream, with_gemm) - median_us(stream, alone)
 
 
 def main() -> None:
-    apply(sys.argv[1:])
+    try:
+        tuning = parse_tuning(sys.argv[1:])
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
     if not (sg.available() and pdl.available()):
         raise SystemExit("needs sm_90 or later, the driver's tensor-map encoder and PDL")
     spin = cupy.RawKernel(SPIN, "spin")
@@ -79,7 +82,7 @@ def main() -> None:
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     print(f"{'GEMM':8s} {'N x K':>12s} {'floor us':>8s} {'M=1 us':>8s} {'M=16 us':>8s}")
     for name, (n, k) in {**SHAPES, **SWIGLU}.items():
-        costs = [release_cost(n, k, m, spin, stream, sms, name in SWIGLU) for m in (1, 16)]
+        costs = [release_cost(n, k, m, spin, stream, sms, tuning, name in SWIGLU) for m in (1, 16)]
         print(f"{name:8s} {f'{n}x{k}':>12s} {n * k * 2 / 4.25e6:8.2f} {costs[0]:8.2f} {costs[1]:8.2f}", flush=True)
 
 

@@ -5,11 +5,11 @@ that op, so launch gaps are amortised the way the step graph amortises them), th
 adds the LM head. Prints time against each op's byte floor at the measured copy bandwidth.
 Usage: python3 scripts/profile_step.py [rows]   (rows = 16 for verify, 1 for decode)
 """
-import statistics
 import sys
 
 import cupy
 import numpy as np
+from graph_timing import graph_ms  # scripts/, beside this file
 
 from cudflash.backends.base import build_meta
 from cudflash.backends.cuda_backend import CudaBackend
@@ -17,7 +17,6 @@ from cudflash.backends.cuda_backend import CudaBackend
 ROWS = int(sys.argv[1]) if len(sys.argv) > 1 else 16
 H, Q, KV, I, V, L, D, CTX = 4096, 4096, 1024, 12288, 151936, 36, 128, 512
 b = CudaBackend()
-stream = cupy.cuda.get_current_stream()
 w = {name: b.random(shape, 0.02, i) for i, (name, shape) in enumerate(
     {"qkv": (Q + 2 * KV, H), "o": (H, Q), "gate_up": (2 * I, H), "down": (H, I), "lm_head": (V, H)}.items())}
 norm_w = b.load("F32", np.ones(H, np.float32))
@@ -51,29 +50,13 @@ ops = {
 }
 
 
-def time_graph(fn, copies: int = 20) -> float:
-    fn()
-    stream.begin_capture()
-    for _ in range(copies):
-        fn()
-    g = stream.end_capture()
-    g.upload(stream)
-    times = []
-    for _ in range(50):
-        e0, e1 = b.event(), None
-        g.launch(stream)
-        e1 = b.event()
-        times.append(b.elapsed_ms(e0, e1) / copies)
-    return statistics.median(times)
-
-
 copy_bw = 4.25e12
 rows, total = [], 0.0
 for name, (fn, nbytes) in ops.items():
-    ms = time_graph(fn)
+    ms = graph_ms(b, fn)
     total += ms * L
     rows.append((name, ms * 1e3, ms * L, nbytes / copy_bw * 1e3 * L))
-head = time_graph(lambda: b.linear(x, w["lm_head"], out_f32=True), 5)
+head = graph_ms(b, lambda: b.linear(x, w["lm_head"], out_f32=True), copies=5)
 total += head
 print(f"rows {ROWS}, context {CTX}; per-op time in a graph of 20 copies (launch gaps amortised)")
 print(f"{'op':<18}{'us/layer':>10}{'ms x36':>9}{'floor ms':>10}")

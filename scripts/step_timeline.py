@@ -12,23 +12,22 @@ recorded. CTAs are grouped into launches in time order, and each launch gets:
            finish, and the last end against the span is what completing the grid and releasing the next costs.
 The spans of one step add up to its device time; the table sums them per kind of kernel, and one layer's launches
 are listed in order. The recording adds a global atomic and two stores per CTA event, so spans are a little long.
-Usage: python3 scripts/step_timeline.py [extra bench arguments, e.g. --prompt-len 2048]
+The recording is compiled in through the bench's tuning (`--tune nvrtc_options=-DCF_TRACE ...`, step_trace.OPTIONS).
+Usage: python3 scripts/step_timeline.py [extra bench arguments, e.g. --prompt-len 2048 or --tune NAME=VALUE]
 With STEP_TIMELINE_DUMP=DIR set, each recorded step's raw events are also saved as DIR/ar.npy and DIR/spec.npy
-([n, 2] uint64, trace.read's format), for reading with cudflash.backends.trace away from the GPU.
+([n, 2] uint64, step_trace.read's format), for reading with scripts/step_trace.py away from the GPU.
 """
 import os
 import statistics
 import sys
 from collections import defaultdict
 
-os.environ["CUDFLASH_TRACE"] = "1"  # before cudflash compiles anything
+import cupy
+import numpy as np
+import step_trace as trace  # scripts/, beside this file
 
-import cupy  # noqa: E402
-import numpy as np  # noqa: E402
-
-from cudflash import bench  # noqa: E402
-from cudflash.backends import kernel_loader, trace  # noqa: E402
-from cudflash.cli import main  # noqa: E402
+from cudflash.engine.spec_decode import SpeculativeStep
+from cudflash.cli import main
 
 CAPTURE_AFTER = 15  # record the 16th measured step of each kind (after the bench's warm-up: graphs are captured)
 
@@ -53,26 +52,30 @@ def report(title: str, launches: list[trace.Launch]) -> None:
 
 
 seen: dict[str, int] = defaultdict(int)
-real_step = bench.engine_step
+real_step = SpeculativeStep.run
 
 
-def traced_step(runner, plan, block, proposer, *timer):
+def traced_step(step, plan, block, *timer):
     kind = "autoregressive step" if block == 1 else f"speculative step (block {block})"
     if timer:  # a measured step (prefills pass no timer)
         seen[kind] += 1
     if not timer or seen[kind] != CAPTURE_AFTER + 1:
-        return real_step(runner, plan, block, proposer, *timer)
+        return real_step(step, plan, block, *timer)
     cupy.cuda.Device().synchronize()
-    trace.reset(kernel_loader.traced)
-    out = real_step(runner, plan, block, proposer, *timer)
+    modules = trace.traced_modules()
+    if not modules:
+        raise SystemExit("no module was compiled with the recording in: a --tune nvrtc_options=... replaced "
+                         f"{' '.join(trace.OPTIONS)}; pass those options with yours")
+    trace.reset(modules)
+    out = real_step(step, plan, block, *timer)
     cupy.cuda.Device().synchronize()
-    events = trace.read(kernel_loader.traced)
+    events = trace.read(modules)
     if os.environ.get("STEP_TIMELINE_DUMP"):
         np.save(os.path.join(os.environ["STEP_TIMELINE_DUMP"], "ar.npy" if block == 1 else "spec.npy"), events)
     report(kind, trace.group(events))
     return out
 
 
-bench.engine_step = traced_step
+SpeculativeStep.run = traced_step
 main(["bench", "--synthetic", "qwen3-8b", "--backend", "cuda", "--batch", "1", "--prompt-len", "512", "--new", "20",
-      *sys.argv[1:]])
+      "--tune", "nvrtc_options=" + " ".join(trace.OPTIONS), *sys.argv[1:]])

@@ -79,30 +79,3 @@ def test_table_prints_the_nvml_readings_it_writes():
     assert "batch 8:" not in table  # no readings, no line
     assert "measured device copy bandwidth: 4250 GB/s" in table
 
-
-def _bench_switch():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_switch.py"
-    spec = importlib.util.spec_from_file_location("bench_switch", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_bench_switch_sets_constants_with_their_type_and_rejects_typos(monkeypatch):
-    from cudflash import bench
-
-    switch = _bench_switch()
-    monkeypatch.setattr(bench, "PROJECTED_TAU", 6.5)  # restored afterwards
-    switch.apply(["bench.PROJECTED_TAU=4"], package="cudflash")
-    assert bench.PROJECTED_TAU == 4.0 and isinstance(bench.PROJECTED_TAU, float)
-    switch.apply(["cudflash.bench.PROJECTED_TAU=3"])  # a full module name, outside the default package
-    assert bench.PROJECTED_TAU == 3.0
-    with pytest.raises(SystemExit, match="has no PROJECTED_TAUU"):
-        switch.apply(["bench.PROJECTED_TAUU=4"], package="cudflash")
-    with pytest.raises(SystemExit, match="not a number"):
-        switch.apply(["bench.SYNTHETIC=1"], package="cudflash")
-    with pytest.raises(SystemExit, match="expected"):
-        switch.apply(["PROJECTED_TAU"], package="cudflash", default_module="bench")

@@ -1,7 +1,22 @@
-"""The step timeline's grouping of CTA events into launches (cudflash/backends/trace.py), on synthetic events."""
+"""The step timeline's grouping of CTA events into launches (scripts/step_trace.py), on synthetic events."""
+import importlib.util
+import sys
+from pathlib import Path
+
 import numpy as np
 
-from cudflash.backends import trace
+
+def _load_tool(name: str):
+    """A module of scripts/ (tools, not part of the package), imported by path."""
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+trace = _load_tool("step_trace")
 
 GEMM, NORM = trace.MODULES.index("stream_gemm"), trace.MODULES.index("norm")
 
@@ -80,3 +95,24 @@ def test_layer_means_average_each_position_over_the_layers_of_the_common_sequenc
 
 def test_layer_means_need_two_whole_layers():
     assert trace.layer_means([_launch("stream_gemm 1x5w", 0, 1, 1, ends=(2,))] * 5) == (0, [])
+
+
+def test_read_tags_each_buffer_with_its_module_and_keeps_the_rest_of_the_word():
+    """Every module is compiled with module number 0 (one tuple of options for all): the reader writes each buffer's
+    own number into its events, leaving time, kind, SM, warps, grid and CTA as the kernel wrote them."""
+    ev = np.array([(7, word(1, 0, 5, 132, 131, sm=77)), (9, word(2, 0, 4, 8, 3, sm=1))], dtype=np.uint64)
+    out = trace.tagged(ev, GEMM)
+    assert [trace.decode(int(w)) for w in out[:, 1]] == [(1, GEMM, 77, 5, 132, 131), (2, GEMM, 1, 4, 8, 3)]
+    assert out[:, 0].tolist() == [7, 9] and trace.decode(int(ev[0, 1]))[1] == 0  # the input is left as it was
+    assert trace.decode(int(trace.tagged(out, NORM)[0, 1]))[1] == NORM  # a number already there is replaced
+
+
+def test_the_options_switch_on_what_common_cuh_records():
+    """step_trace.OPTIONS define what kernels/common.cuh's recording needs, and the package's modules are the ones
+    the reader names."""
+    from cudflash.backends import kernel_source
+
+    common = (kernel_source.kernel_root() / "common.cuh").read_text()
+    assert "#ifdef CF_TRACE\n" in common and "CF_TRACE_MODULE" in common
+    assert trace.OPTIONS[0] == "-DCF_TRACE" and any(o.startswith("-DCF_TRACE_MODULE=") for o in trace.OPTIONS)
+    assert kernel_source.module_names() == trace.MODULES

@@ -9,10 +9,13 @@ Layouts shared by all backends (T = rows in this forward, n = sequences, D = hea
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+
+from cudflash.errors import BackendError
 
 
 @dataclass(slots=True)
@@ -36,6 +39,28 @@ def build_meta(q_lens: list[int], context_lens: list[int], block_tables: list[li
     cu = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(q_lens, out=cu[1:])
     return AttentionMeta(cu, np.asarray(context_lens, dtype=np.int32), tables, max(q_lens), max(context_lens))
+
+
+@dataclass(eq=False)
+class DeferredNorm:
+    """rms_norm(residual) * weight as `linear_add_rms_norm` returns its normed rows: a value that only the ops in
+    DEFERRED_READERS take. A backend may keep the norm half applied (the CUDA backend: weight * residual and each
+    producer CTA's partial sums of squares, whose rsqrt the next GEMM applies to its output rows) and build the
+    plain rows only for a reader that needs them; the numpy backend builds them at once and refuses the value in
+    every other op, so a model that hands it elsewhere fails on the CPU."""
+
+    residual: Any  # [T, H] float32: the residual stream the norm is of
+    weight: Any  # [H]
+    eps: float
+    plain: Any | None = None  # [T, H]: the normed rows, once built
+    partial: Any | None = None  # the backend's half-applied form, if it keeps one (stream_gemm.PartialNorm)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.residual.shape
+
+
+DEFERRED_READERS = frozenset({"linear", "swiglu"})  # the ops that accept a DeferredNorm as x
 
 
 class Backend(Protocol):
@@ -64,18 +89,18 @@ class Backend(Protocol):
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any: ...
     # (norm(x + residual), x + residual); the residual stream is float32 on every backend
     def add_rms_norm(self, x: Any, residual: Any, weight: Any, eps: float) -> tuple[Any, Any]: ...
-    def linear(self, x: Any, weight: Any, bias: Any | None = None,
-               out_f32: bool = False) -> Any: ...  # x @ weight.T (+ bias); out_f32: float32 output (logits)
+    # x @ weight.T (+ bias); out_f32: float32 output (logits). x may be a DeferredNorm.
+    def linear(self, x: Any | DeferredNorm, weight: Any, bias: Any | None = None, out_f32: bool = False) -> Any: ...
     # add_rms_norm(linear(x, weight, bias), residual, norm_weight, eps) in one op: (normed, new residual). The
-    # normed rows may come in a form that only `linear` reads (the CUDA backend defers their row scale into the
-    # next GEMM), so give them to `linear` and nothing else.
+    # normed rows may be a DeferredNorm (always on the numpy backend; on the CUDA backend where the GEMM streams, which
+    # then defers their row scale into the next GEMM): give them to `linear` or `swiglu` and nothing else.
     def linear_add_rms_norm(self, x: Any, weight: Any, bias: Any | None, residual: Any, norm_weight: Any,
                             eps: float) -> tuple[Any, Any]: ...
     # The MLP's first half: silu(x @ gate.T) * (x @ up.T), [T, H] -> [T, I], with x as `linear` takes it. Its weight
     # comes from gate_up_weight(gate [I, H], up [I, H]), in a row order the backend chooses ([2I, H]; the CUDA
     # backend interleaves the two so the GEMM's epilogue applies the SwiGLU).
     def gate_up_weight(self, gate: Any, up: Any) -> Any: ...
-    def swiglu(self, x: Any, gate_up: Any) -> Any: ...
+    def swiglu(self, x: Any | DeferredNorm, gate_up: Any) -> Any: ...
     def add(self, a: Any, b: Any) -> Any: ...
     def head_norm_rope(self, x: Any, head_dim: int, positions: Any, cos: Any, sin: Any,
                        weight: Any | None, eps: float) -> Any: ...
@@ -93,3 +118,30 @@ class Backend(Protocol):
     def topk(self, x: Any, k: int) -> tuple[Any, Any]: ...  # [T, V] -> (f32 [T, k], int32 [T, k]), descending
     def pair_scores(self, unary: Any, cand: Any, pred: Any, hidden: Any, pred_table: Any,
                     succ_table: Any) -> Any: ...  # selector lattice, f32 [R, P, K]
+
+
+def refuse_deferred(cls: type) -> type:
+    """Class decorator: every op of `Backend` on `cls` except DEFERRED_READERS raises BackendError when an argument
+    (or an element of a list / tuple argument) is a DeferredNorm."""
+
+    def guarded(name: str, fn):
+        @functools.wraps(fn)
+        def op(self, *args, **kwargs):
+            for arg in (*args, *kwargs.values()):
+                items = arg if isinstance(arg, (list, tuple)) else (arg,)
+                if any(isinstance(item, DeferredNorm) for item in items):
+                    raise BackendError(f"{self.name} backend: {name} was given the deferred normed rows of "
+                                       f"linear_add_rms_norm, which only {' and '.join(sorted(DEFERRED_READERS))} "
+                                       "read")
+            return fn(self, *args, **kwargs)
+        return op
+
+    for name in backend_ops():
+        if name not in DEFERRED_READERS:
+            setattr(cls, name, guarded(name, getattr(cls, name)))
+    return cls
+
+
+def backend_ops() -> list[str]:
+    """The methods of the Backend protocol, in declaration order."""
+    return [name for name, value in vars(Backend).items() if callable(value) and not name.startswith("_")]

@@ -3,17 +3,17 @@
 One kernel serves all three forms (prefill, decode / verify, drafter): the G query heads sharing a KV head are
 packed as rows, so the shape of the problem is only `max_q_len * G` packed rows per (sequence, KV head).
 
-Decode and verify (causal, at most DECODE_MAX_Q new tokens per sequence, contexts up to INVARIANT_MAX_CONTEXT)
-take one fixed launch shape so that a query row computes the same bits however many rows, sequences or splits
-share the launch: a verify row then reproduces exactly the decode of that token, which is what makes greedy
-speculative output equal autoregressive output on the GPU (rounding included), not merely close. That shape
+Decode and verify (causal, at most DECODE_MAX_Q new tokens per sequence, context buckets up to the tuning's
+invariant_max_context) take one fixed launch shape so that a query row computes the same bits however many rows,
+sequences or splits share the launch: a verify row then reproduces exactly the decode of that token, which is what
+makes greedy speculative output equal autoregressive output on the GPU (rounding included), not merely close. That shape
 is a 16-row tile whose four warps split the keys of each K/V tile (WN=4) and merge at the end, and a split of
-the key range fixed by key position: split z holds keys [z * S, (z + 1) * S) with S = SPLIT_KEYS, and the merge
-kernel adds the splits in order (splits that saw no key of a row drop out exactly).
+the key range fixed by key position: split z holds keys [z * BN, (z + 1) * BN), one K/V tile, the most parallel
+choice, and the merge kernel adds the splits in order (splits that saw no key of a row drop out exactly).
 Its price grows with the context: a verify pass reads each K/V tile once per 16 packed rows rather than once
 per 64, and writes a float32 partial per 64-key split. On the H200 (Qwen3-8B, batch 1) a verify step on it
 took about 0.9 ms longer than on the fast shape at a 2048-key bucket (BENCHMARKS.md), so only buckets up to
-INVARIANT_MAX_CONTEXT take it; longer contexts go the fast way and agree with decoding up to bf16 rounding
+invariant_max_context take it; longer contexts go the fast way and agree with decoding up to bf16 rounding
 instead of bit for bit.
 
 Prefill and the drafter (many rows, or non-causal) pick the shape for speed:
@@ -32,15 +32,14 @@ import numpy as np
 from cudflash.backends import kernel_loader
 from cudflash.backends.base import AttentionMeta
 from cudflash.backends.cuda_util import act_dtype, cdiv, f32, i32, i64, vec_rows
+from cudflash.backends.tuning import CudaTuning
 from cudflash.errors import BackendError
 
 BN = 64  # keys per K/V tile (ATTN_BN in attention.cu)
 THREADS = 128
 HEAD_DIMS = (64, 128, 256)
-MAX_SPLITS = 64
-DECODE_MAX_Q = 32  # causal runs of up to this many new tokens per sequence take the row-invariant shape,
-INVARIANT_MAX_CONTEXT = 512  # while the context bucket is at most this
-SPLIT_KEYS = 64  # keys per split on that shape: one K/V tile per CTA, the most parallel choice
+MAX_SPLITS = 64  # attn_combine holds two splits' lse per lane
+DECODE_MAX_Q = 32  # causal runs of up to this many new tokens per sequence may take the row-invariant shape
 
 
 @dataclass(slots=True)
@@ -62,14 +61,10 @@ def _layouts(d: int) -> tuple[str, ...]:
     return (f"attn_fwd<{d}, 4, 1>", f"attn_fwd<{d}, 2, 2>", f"attn_fwd<{d}, 1, 4>", f"attn_combine<{d}>")
 
 
-_smem_raised: set[tuple[int, int, int]] = set()
-
-
-def _forward_kernel(d: int, wm: int, wn: int, smem: int) -> kernel_loader.Kernel:
-    kern = kernel_loader.function("attention", f"attn_fwd<{d}, {wm}, {wn}>", _layouts(d))
-    if smem > 48 * 1024 and (d, wm, wn) not in _smem_raised:
-        kern.raw.max_dynamic_shared_size_bytes = smem  # opt in to more than the default 48 KiB
-        _smem_raised.add((d, wm, wn))
+def _forward_kernel(d: int, wm: int, wn: int, smem: int, tuning: CudaTuning) -> kernel_loader.Kernel:
+    kern = kernel_loader.function("attention", f"attn_fwd<{d}, {wm}, {wn}>", _layouts(d), tuning=tuning)
+    if smem > 48 * 1024:
+        kern.reserve_shared(smem)  # opt in to more than the default 48 KiB
     return kern
 
 
@@ -124,7 +119,7 @@ def choose_splits(base_ctas: int, max_context: int, slots: int) -> int:
 
 
 def attention(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, meta: AttentionMeta, scale: float,
-              causal: bool, window: int, num_sms: int) -> cupy.ndarray:
+              causal: bool, window: int, num_sms: int, tuning: CudaTuning) -> cupy.ndarray:
     _, block_size, hk, d = k_cache.shape
     if d not in HEAD_DIMS:
         raise BackendError(f"cuda attention: head_dim {d} unsupported (expected one of {HEAD_DIMS})")
@@ -144,19 +139,19 @@ def attention(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, met
     n = len(meta.context_lens)
     group = hq // hk
     ctx_bucket = context_bucket(meta.max_context_len)
-    if causal and meta.max_q_len <= DECODE_MAX_Q and ctx_bucket <= INVARIANT_MAX_CONTEXT:
-        wm, wn = 1, 4  # decode / verify: the row-invariant shape
-        split_tiles = SPLIT_KEYS // BN
-        nsplit = cdiv(ctx_bucket, SPLIT_KEYS)
+    if causal and meta.max_q_len <= DECODE_MAX_Q and ctx_bucket <= tuning.invariant_max_context:
+        wm, wn = 1, 4  # decode / verify: the row-invariant shape, one K/V tile per split
+        split_tiles = 1
+        nsplit = cdiv(ctx_bucket, BN)
     else:
         wm, wn = choose_layout(meta.max_q_len * group)
         split_tiles = 0
     qtiles = cdiv(meta.max_q_len * group, 16 * wm)
     smem = (16 * wm * d + 4 * BN * d) * 2  # Q tile + double-buffered K and V tiles, bf16
-    kern = _forward_kernel(d, wm, wn, smem)
+    kern = _forward_kernel(d, wm, wn, smem, tuning)
     if not split_tiles:
         nsplit = choose_splits(qtiles * (batch_bucket(n) or n) * hk, ctx_bucket, num_sms * ctas_per_sm(kern, smem))
-    if nsplit > MAX_SPLITS:  # attn_combine holds two splits' lse per lane
+    if nsplit > MAX_SPLITS:
         raise BackendError(f"cuda attention: {nsplit} key splits, at most {MAX_SPLITS}")
     if nsplit > 1:
         o_part = cupy.empty((nsplit, t, hq, d), dtype=cupy.float32)  # per-split normalised outputs
@@ -170,6 +165,6 @@ def attention(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, met
          shared_mem=smem)
     if nsplit > 1:
         rows = t * hq
-        combine = kernel_loader.function("attention", f"attn_combine<{d}>", _layouts(d))
+        combine = kernel_loader.function("attention", f"attn_combine<{d}>", _layouts(d), tuning=tuning)
         combine((cdiv(rows, THREADS // 32),), (THREADS,), (o_part, lse_part, out, i32(rows), i32(nsplit)))
     return out

@@ -15,7 +15,7 @@ import cupy
 import numpy as np
 
 from cudflash.backends import kernel_loader, stream_gemm
-from cudflash.backends.base import AttentionMeta
+from cudflash.backends.base import AttentionMeta, DeferredNorm
 from cudflash.backends.cublas import Cublas
 from cudflash.backends.cuda_attention import attention as _attention
 from cudflash.backends.cuda_attention import DeviceMeta, upload_meta
@@ -34,6 +34,7 @@ from cudflash.backends.cuda_util import (
     rows_any,
     vec_rows,
 )
+from cudflash.backends.tuning import CudaTuning, as_tuning
 from cudflash.errors import BackendError
 
 _NORM_VPT = (1, 2, 4, 8, 16)
@@ -76,7 +77,8 @@ class CudaBackend:
     activation_reserve = 2 * 2**30  # bytes kept free for activations and cuBLAS workspaces beside the KV cache
     graph_reserve = 2 * 2**30  # bytes kept free for captured CUDA graph steps (their LRU cache's bound)
 
-    def __init__(self) -> None:
+    def __init__(self, tuning: CudaTuning | dict | None = None) -> None:
+        self.tuning = as_tuning(tuning)  # read by every kernel launch, the stream GEMM, attention and the graph runner
         # Everything runs on one non-blocking stream (CUDA graphs cannot capture the legacy stream), the same for
         # every backend object of the process: a stream per object left CuPy's current stream pointing at a
         # destroyed one once an LLM was garbage-collected.
@@ -85,6 +87,9 @@ class CudaBackend:
         self.act = act_dtype()
         self.num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self.blas = Cublas()
+
+    def _kernel(self, module: str, kernel: str, name_expressions: tuple[str, ...] = ()) -> kernel_loader.Kernel:
+        return kernel_loader.function(module, kernel, name_expressions, tuning=self.tuning)
 
     # ------------------------------------------------------------------ memory
     def memory_budget(self, utilization: float) -> int:
@@ -147,7 +152,7 @@ class CudaBackend:
             if src.dtype not in (np.float16, np.float32):
                 src, name = src.astype(cupy.float32), "f32_to_bf16"
             blocks = min(cdiv(src.size, THREADS), 65535 * 8)
-            kernel_loader.function("memory", name)((blocks,), (THREADS,), (src, out, i64(src.size)))
+            self._kernel("memory", name)((blocks,), (THREADS,), (src, out, i64(src.size)))
         return out
 
     def to_numpy(self, x: Any) -> np.ndarray:
@@ -197,7 +202,7 @@ class CudaBackend:
             return out
         stride_vec = table.strides[0] // 16 if table.shape[0] > 1 else width_vec
         threads = min(128, width_vec)
-        kernel_loader.function("memory", "gather_rows")(
+        self._kernel("memory", "gather_rows")(
             (t, cdiv(width_vec, threads)), (threads,), (table, i64(stride_vec), rows, out, i32(width_vec)))
         return out
 
@@ -239,7 +244,7 @@ class CudaBackend:
                 raise BackendError(f"cuda rms_norm: width {h} too large (max {8 * 256 * _NORM_VPT[-1]})")
             threads = -(-cdiv(nvec, vpt) // 32) * 32
             name = f"rms_norm<{vpt}, {'true' if res_out is not None else 'false'}, {_ctype(x)}, {_ctype(res)}>"
-            kernel_loader.function("norm", name, _NORM_NAMES)(
+            self._kernel("norm", name, _NORM_NAMES)(
                 (rows,), (threads,), (x, i64(sx), res, i64(sr), weight, out, res_out if res_out is not None else
                                       out, i32(h), f32(eps)))
         if res_out is None:
@@ -249,14 +254,15 @@ class CudaBackend:
     def linear_add_rms_norm(self, x: cupy.ndarray, weight: cupy.ndarray, bias: cupy.ndarray | None,
                             residual: cupy.ndarray, norm_weight: cupy.ndarray, eps: float):
         """See base.Backend.linear_add_rms_norm. Where the weight streams (stream_gemm.usable), one launch: the
-        GEMM's epilogue adds the residual and leaves a DeferredNorm for the next GEMM, so no RMSNorm kernel (and
-        no wait on one) sits between the two; else the GEMM and the fused add + RMSNorm kernel."""
+        GEMM's epilogue adds the residual and leaves a DeferredNorm with its partial form for the next GEMM, so no
+        RMSNorm kernel (and no wait on one) sits between the two; else the GEMM and the fused add + RMSNorm kernel."""
         rows = as_rows(x)
         (m, k), n = rows.shape, weight.shape[0]
         if bias is None and x.dtype == self.act and residual.dtype == cupy.float32 and residual.flags.c_contiguous \
                 and residual.shape == (m, n) and norm_weight.shape == (n,) and weight.flags.c_contiguous \
-                and stream_gemm.fusable(m, n, k, weight.nbytes, self.num_sms):
-            return stream_gemm.add_norm(self._gemm_rows(rows, True), weight, residual, norm_weight, eps, self.num_sms)
+                and stream_gemm.fusable(m, n, k, weight.nbytes, self.num_sms, self.tuning):
+            return stream_gemm.add_norm(self._gemm_rows(rows, True), weight, residual, norm_weight, eps, self.num_sms,
+                                        self.tuning)
         return self.add_rms_norm(self.linear(x, weight, bias, out_f32=True), residual, norm_weight, eps)
 
     def _gemm_rows(self, x: cupy.ndarray, streamed: bool) -> cupy.ndarray:
@@ -268,11 +274,11 @@ class CudaBackend:
             x = cupy.ascontiguousarray(bits(x)).view(self.act)
         return x
 
-    def linear(self, x: cupy.ndarray | stream_gemm.DeferredNorm, weight: cupy.ndarray,
+    def linear(self, x: cupy.ndarray | DeferredNorm, weight: cupy.ndarray,
                bias: cupy.ndarray | None = None, out_f32: bool = False) -> cupy.ndarray:
         return self._add_bias(self._gemm(x, weight, cupy.float32 if out_f32 else self.act, swiglu=False), bias)
 
-    def _gemm(self, x: cupy.ndarray | stream_gemm.DeferredNorm, weight: cupy.ndarray, out_dtype: np.dtype,
+    def _gemm(self, x: cupy.ndarray | DeferredNorm, weight: cupy.ndarray, out_dtype: np.dtype,
               swiglu: bool) -> cupy.ndarray:
         """x @ weight.T as a new [M, N] array of out_dtype; swiglu: weight is gate_up_weight's [2I, H] and the result
         the bf16 [M, I] of silu(gate) * up (in the streamed GEMM's epilogue, else by the swiglu kernel)."""
@@ -281,12 +287,12 @@ class CudaBackend:
         def streamed_out(m: int) -> cupy.ndarray:  # what the streamed GEMM writes
             return cupy.empty((m, n // 2) if swiglu else (m, n), dtype=self.act if swiglu else out_dtype)
 
-        if isinstance(x, stream_gemm.DeferredNorm):
+        if isinstance(x, DeferredNorm):
             m, k = x.shape
-            if weight.dtype == self.act and weight.shape[1] == k and weight.flags.c_contiguous \
-                    and stream_gemm.usable(m, n, k, weight.nbytes):
+            if x.partial is not None and weight.dtype == self.act and weight.shape[1] == k \
+                    and weight.flags.c_contiguous and stream_gemm.usable(m, n, k, weight.nbytes, self.tuning):
                 y = streamed_out(m)
-                stream_gemm.row_scaled(x, weight, y, self.num_sms, swiglu)
+                stream_gemm.row_scaled(x, weight, y, self.num_sms, self.tuning, swiglu)
                 return y
             if x.plain is None:
                 x.plain = self.rms_norm(x.residual, x.weight, x.eps)
@@ -297,13 +303,13 @@ class CudaBackend:
         m, k = x.shape
         if weight.shape[1] != k:
             raise BackendError(f"cuda linear: x is [{m}, {k}] but weight is {list(weight.shape)}")
-        streamed = stream_gemm.usable(m, n, k, weight.nbytes)
+        streamed = stream_gemm.usable(m, n, k, weight.nbytes, self.tuning)
         x = self._gemm_rows(x, streamed)
         if not weight.flags.c_contiguous:
             weight = cupy.ascontiguousarray(bits(weight)).view(self.act)
         if streamed and m:
             y = streamed_out(m)
-            stream_gemm.stream_gemm(x, weight, y, self.num_sms, swiglu)
+            stream_gemm.stream_gemm(x, weight, y, self.num_sms, self.tuning, swiglu)
             return y
         y = cupy.empty((m, n), dtype=cupy.float32 if swiglu else out_dtype)
         if m:
@@ -315,7 +321,7 @@ class CudaBackend:
         if bias is not None:
             if n % 8 or bias.shape != (n,):
                 raise BackendError(f"cuda linear: bias shape {bias.shape} for {n} outputs (n % 8 == 0 needed)")
-            kernel_loader.function("elementwise", f"bias_add<{_ctype(y)}>", _BIAS_NAMES)(
+            self._kernel("elementwise", f"bias_add<{_ctype(y)}>", _BIAS_NAMES)(
                 (cdiv(m * n // 8, THREADS),), (THREADS,), (y, bias, i32(m), i32(n)))
         return y
 
@@ -331,7 +337,7 @@ class CudaBackend:
         out[:, 1] = bits(up).reshape(inter // 8, 8, h)
         return out.reshape(2 * inter, h).view(self.act)
 
-    def swiglu(self, x: cupy.ndarray | stream_gemm.DeferredNorm, gate_up: cupy.ndarray) -> cupy.ndarray:
+    def swiglu(self, x: cupy.ndarray | DeferredNorm, gate_up: cupy.ndarray) -> cupy.ndarray:
         if gate_up.shape[0] % 16:
             raise BackendError(f"cuda swiglu: gate_up has {gate_up.shape[0]} rows, expected 2 I with I % 8 == 0")
         return self._gemm(x, gate_up, self.act, swiglu=True)
@@ -342,7 +348,7 @@ class CudaBackend:
         t, width = y.shape
         out = cupy.empty((t, width // 2), dtype=self.act)
         if t:
-            kernel_loader.function("elementwise", f"swiglu<{_ctype(y)}>", _SWIGLU_NAMES)(
+            self._kernel("elementwise", f"swiglu<{_ctype(y)}>", _SWIGLU_NAMES)(
                 (cdiv(t * width // 16, THREADS),), (THREADS,), (y, i64(sy), out, i32(t), i32(width // 2)))
         return out
 
@@ -356,7 +362,7 @@ class CudaBackend:
         t, width = a.shape
         out = cupy.empty((t, width), dtype=self.act)
         if t:
-            kernel_loader.function("elementwise", f"add<{_ctype(a)}, {_ctype(b)}>", _ADD_NAMES)(
+            self._kernel("elementwise", f"add<{_ctype(a)}, {_ctype(b)}>", _ADD_NAMES)(
                 (cdiv(t * width // 8, THREADS),), (THREADS,), (a, i64(sa), b, i64(sb), out, i32(t), i32(width)))
         return out.reshape(shape)
 
@@ -417,14 +423,14 @@ class CudaBackend:
             return
         cos, sin = cupy.ascontiguousarray(cos), cupy.ascontiguousarray(sin)
         name = f"rope_store<{head_dim}, {'true' if norm else 'false'}, {_ctype(x)}>"
-        kernel_loader.function("rope", name, _rope_names(head_dim))(
+        self._kernel("rope", name, _rope_names(head_dim))(
             (cdiv(total, 128),), (128,),
             (x, i64(sx), device_i32(positions), cos, sin, q_w if norm else x, k_w if norm else x, slots,
              q_out if q_out is not None else x, k_cache, v_cache, i32(t), i32(q_heads), i32(kv_heads), f32(eps)))
 
     def attention(self, q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, meta: AttentionMeta,
                   scale: float, causal: bool, window: int = 0) -> cupy.ndarray:
-        return _attention(q, k_cache, v_cache, meta, scale, causal, window, self.num_sms)
+        return _attention(q, k_cache, v_cache, meta, scale, causal, window, self.num_sms, self.tuning)
 
     def argmax(self, x: cupy.ndarray) -> cupy.ndarray:
         x = as_rows(x)
@@ -441,12 +447,12 @@ class CudaBackend:
         per_vec = 16 // x.itemsize
         vec = x.data.ptr % 16 == 0 and (sx * x.itemsize) % 16 == 0 and vocab % per_vec == 0
         tname = "bf16" if x.dtype == self.act else "float"
-        partial = kernel_loader.function("argmax", f"argmax_partial<{tname}, {'true' if vec else 'false'}>",
+        partial = self._kernel("argmax", f"argmax_partial<{tname}, {'true' if vec else 'false'}>",
                                          _ARGMAX_NAMES)
         for r0 in range(0, rows, _MAX_GRID_Y):
             r1 = min(rows, r0 + _MAX_GRID_Y)
             partial((cdiv(vocab, _ARGMAX_CHUNK), r1 - r0), (256,), (x[r0:r1], i64(sx), i32(vocab), keys[r0:r1]))
-        kernel_loader.function("argmax", "argmax_finish", _ARGMAX_NAMES)(
+        self._kernel("argmax", "argmax_finish", _ARGMAX_NAMES)(
             (cdiv(rows, 128),), (128,), (keys, out, i32(rows)))
         return out
 
@@ -475,7 +481,7 @@ class CudaBackend:
         out = cupy.empty((t, c), dtype=x.dtype)
         if t:
             name = f"block_conv<{_ctype(x)}, {_ctype(coeff)}, {_ctype(base)}>"
-            kernel_loader.function("draft_heads", name, _DRAFT_NAMES)(
+            self._kernel("draft_heads", name, _DRAFT_NAMES)(
                 (cdiv(t * c // 8, THREADS),), (THREADS,),
                 (x, i64(sx), coeff, i64(sc), base, i64(sb), out, i32(t), i32(c), i32(taps), i32(groups), i32(block)))
         return out
@@ -504,14 +510,14 @@ class CudaBackend:
         while True:
             chunks = cdiv(n, _TOPK_CHUNK)
             keys = cupy.empty((rows, chunks * k), dtype=cupy.uint64)
-            level = kernel_loader.function("draft_heads", name, _DRAFT_NAMES)
+            level = self._kernel("draft_heads", name, _DRAFT_NAMES)
             for r0 in range(0, rows, _MAX_GRID_Y):
                 r1 = min(rows, r0 + _MAX_GRID_Y)
                 level((chunks, r1 - r0), (256,), (src[r0:r1], i64(s_in), i32(n), i32(k), keys[r0:r1]))
             if chunks == 1:
                 break
             src, s_in, n, name = keys, chunks * k, chunks * k, "topk_level<unsigned long long, false>"
-        kernel_loader.function("draft_heads", f"topk_write<{tname}>", _DRAFT_NAMES)(
+        self._kernel("draft_heads", f"topk_write<{tname}>", _DRAFT_NAMES)(
             (cdiv(rows * k, 128),), (128,), (keys, x, i64(sx), vals, ids, i32(rows * k), i32(k)))
         return vals, ids
 
@@ -533,7 +539,7 @@ class CudaBackend:
         k, p = unary.shape[1], pred.shape[1]
         out = cupy.empty((r_rows, p, k), dtype=cupy.float32)
         if r_rows and p and k:
-            kernel_loader.function("draft_heads", f"pair_scores<{_ctype(hidden)}>", _DRAFT_NAMES)(
+            self._kernel("draft_heads", f"pair_scores<{_ctype(hidden)}>", _DRAFT_NAMES)(
                 (r_rows, cdiv(p, _PS_TILE), cdiv(k, _PS_TILE)), (256,),
                 (unary, cand, pred, hidden, i64(sh), a, i64(sa), b, i64(sb), out, i32(p), i32(k), i32(rank)))
         return out

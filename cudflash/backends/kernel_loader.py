@@ -1,96 +1,72 @@
-"""Compiling the CUDA sources in `kernels/` with NVRTC (through cupy.RawModule), once per process.
+"""Compiling the CUDA sources (kernel_source.py) with NVRTC through cupy.RawModule, once per process for each source
+folder and set of options a tuning asks for.
 
-Sources are found in the installed wheel (`cudflash.kernels`) or, in a source checkout, in the top-level
-`kernels/` directory. Local `#include "x.cuh"` lines are inlined here rather than passed as `-I`: CuPy's
-on-disk kernel cache is keyed by the source text, so an inlined header that changes also changes the key
-(with `-I`, an edited header would silently reuse a stale cubin). `#line` directives keep NVRTC's error
-messages pointing at the real file and line. CuPy picks `-arch=sm_XX` for the current device itself.
-Kernels come back as `Kernel`, which launches like a RawKernel and, while a CUDA graph is being captured,
-with programmatic dependent launch (pdl.py).
+CuPy picks `-arch=sm_XX` for the current device itself. Kernels come back as `Kernel`, which launches like a
+RawKernel and, while a CUDA graph is being captured and the tuning allows it, with programmatic dependent launch
+(pdl.py).
 """
 from __future__ import annotations
 
 import functools
-import importlib.resources
-import os
-import re
-from pathlib import Path
 
 import cupy
 
-from cudflash.backends import pdl, trace
+from cudflash.backends import kernel_source, pdl
+from cudflash.backends.tuning import CudaTuning
 
-_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _OPTIONS: tuple[str, ...] = ()  # CuPy adds -arch for the device and --std=c++17 (v14) itself
-# CUDFLASH_TRACE=1 compiles the step timeline in (common.cuh, trace.py): every module compiled that way is kept for
-# scripts/step_timeline.py to read.
-TRACE = os.environ.get("CUDFLASH_TRACE") == "1"
-traced: list[tuple[str, cupy.RawModule]] = []
+# Every module compiled in this process, in order: (name, the tuning's extra NVRTC options, module). Tools that read
+# a module's device globals (scripts/step_timeline.py) find their modules here.
+loaded: list[tuple[str, tuple[str, ...], cupy.RawModule]] = []
 
 
 @functools.cache
-def kernel_dir() -> Path:
-    try:
-        root = importlib.resources.files("cudflash.kernels")
-        path = Path(str(root))
-        if (path / "common.cuh").is_file():
-            return path
-    except Exception:  # not installed as a wheel (source checkout) or a namespace path without a file system
-        pass
-    return Path(__file__).resolve().parents[2] / "kernels"
-
-
-def _expand(path: Path, seen: set[Path]) -> str:
-    """The file's text with its local includes inlined (each at most once, like #pragma once)."""
-    out = [f'#line 1 "{path}"']
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-        if line.strip() == "#pragma once":  # inlined once by construction; NVRTC warns about it in the main file
-            out.append("")
-            continue
-        m = _INCLUDE.match(line)
-        if not m:
-            out.append(line)
-            continue
-        dep = (path.parent / m.group(1)).resolve()
-        if dep not in seen:
-            seen.add(dep)
-            out.append(_expand(dep, seen))
-        out.append(f'#line {lineno + 1} "{path}"')
-    return "\n".join(out) + "\n"
-
-
-@functools.cache
-def source(name: str) -> str:
-    """Full NVRTC source of `kernels/<name>.cu`."""
-    path = kernel_dir() / f"{name}.cu"
-    return _expand(path.resolve(), set())
-
-
-@functools.cache
-def module(name: str, name_expressions: tuple[str, ...] = ()) -> cupy.RawModule:
-    """The compiled module of `kernels/<name>.cu` with the given template instantiations."""
-    options = _OPTIONS + (("-DCF_TRACE", f"-DCF_TRACE_MODULE={trace.MODULES.index(name)}") if TRACE else ())
-    mod = cupy.RawModule(code=source(name), options=options, name_expressions=name_expressions or None)
-    if TRACE:
-        traced.append((name, mod))
+def _module(name: str, name_expressions: tuple[str, ...], kernel_dir: str | None,
+            options: tuple[str, ...]) -> cupy.RawModule:
+    mod = cupy.RawModule(code=kernel_source.source(name, kernel_dir), options=_OPTIONS + options,
+                         name_expressions=name_expressions or None)
+    loaded.append((name, options, mod))
     return mod
+
+
+def module(name: str, name_expressions: tuple[str, ...] = (), *, tuning: CudaTuning) -> cupy.RawModule:
+    """The compiled module of `<name>.cu` with the given template instantiations."""
+    return _module(name, tuple(name_expressions), tuning.kernel_dir, tuning.nvrtc_options)
 
 
 class Kernel:
     """A compiled kernel, called like a RawKernel: `kernel(grid, block, args, shared_mem=0)`."""
 
-    def __init__(self, raw: cupy.RawKernel) -> None:
+    def __init__(self, raw: cupy.RawKernel, use_pdl: bool) -> None:
         self.raw = raw  # the CuPy kernel: attributes, dynamic shared memory opt-in
+        self.use_pdl = use_pdl  # the tuning's `pdl`
+        self._shared = 0  # the dynamic shared memory opted in to so far (bytes)
+
+    def programmatic(self, stream: cupy.cuda.Stream) -> bool:
+        """Whether a launch on `stream` now goes with programmatic dependent launch: only inside a capture, where
+        the gaps show (eager launches gain nothing worth the extra Python work per call)."""
+        return self.use_pdl and stream.is_capturing() and pdl.available()
+
+    def reserve_shared(self, nbytes: int) -> None:
+        """Opt in to `nbytes` of dynamic shared memory per CTA (above the default 48 KiB)."""
+        if nbytes > self._shared:
+            self.raw.max_dynamic_shared_size_bytes = nbytes
+            self._shared = nbytes
 
     def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0) -> None:
         stream = cupy.cuda.get_current_stream()
-        if stream.is_capturing() and pdl.available():
+        if self.programmatic(stream):
             pdl.launch(self.raw, grid, block, args, shared_mem, stream)
         else:
             self.raw(grid, block, args, shared_mem=shared_mem)
 
 
 @functools.cache
-def function(name: str, kernel: str, name_expressions: tuple[str, ...] = ()) -> Kernel:
-    """One kernel of `kernels/<name>.cu`: an `extern "C"` name, or one of `name_expressions` (templates)."""
-    return Kernel(module(name, name_expressions).get_function(kernel))
+def _function(name: str, kernel: str, name_expressions: tuple[str, ...], kernel_dir: str | None,
+              options: tuple[str, ...], use_pdl: bool) -> Kernel:
+    return Kernel(_module(name, name_expressions, kernel_dir, options).get_function(kernel), use_pdl)
+
+
+def function(name: str, kernel: str, name_expressions: tuple[str, ...] = (), *, tuning: CudaTuning) -> Kernel:
+    """One kernel of `<name>.cu`: an `extern "C"` name, or one of `name_expressions` (templates)."""
+    return _function(name, kernel, tuple(name_expressions), tuning.kernel_dir, tuning.nvrtc_options, tuning.pdl)

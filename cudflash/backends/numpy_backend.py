@@ -2,6 +2,8 @@
 
 Each op mirrors the float32 arithmetic of the Hugging Face reference implementation (normalise in float32,
 multiply by the weight last; softmax in float32), so that greedy decoding reproduces its token ids exactly.
+`linear_add_rms_norm` hands its normed rows back as a DeferredNorm, as the CUDA backend may, and every op but
+`linear` and `swiglu` refuses one (base.refuse_deferred): a model that misuses it fails here, on the CPU.
 """
 from __future__ import annotations
 
@@ -10,10 +12,11 @@ import time
 
 import numpy as np
 
-from cudflash.backends.base import AttentionMeta
+from cudflash.backends.base import AttentionMeta, DeferredNorm, refuse_deferred
 from cudflash.checkpoint import bf16_bits_to_float32
 
 
+@refuse_deferred
 class NumpyBackend:
     name = "cpu"
     act_itemsize = 4
@@ -68,19 +71,22 @@ class NumpyBackend:
         residual = x + residual
         return self.rms_norm(residual, weight, eps), residual
 
-    def linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None,
+    def linear(self, x: np.ndarray | DeferredNorm, weight: np.ndarray, bias: np.ndarray | None = None,
                out_f32: bool = False) -> np.ndarray:
+        if isinstance(x, DeferredNorm):
+            x = x.plain
         y = x @ weight.T
         return y + bias if bias is not None else y
 
     def linear_add_rms_norm(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, residual: np.ndarray,
-                            norm_weight: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
-        return self.add_rms_norm(self.linear(x, weight, bias), residual, norm_weight, eps)
+                            norm_weight: np.ndarray, eps: float) -> tuple[DeferredNorm, np.ndarray]:
+        normed, residual = self.add_rms_norm(self.linear(x, weight, bias), residual, norm_weight, eps)
+        return DeferredNorm(residual, norm_weight, eps, plain=normed), residual
 
     def gate_up_weight(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         return np.concatenate([gate, up], axis=0)
 
-    def swiglu(self, x: np.ndarray, gate_up: np.ndarray) -> np.ndarray:
+    def swiglu(self, x: np.ndarray | DeferredNorm, gate_up: np.ndarray) -> np.ndarray:
         gate, up = np.split(self.linear(x, gate_up), 2, axis=-1)
         return gate / (np.float32(1.0) + np.exp(-gate)) * up
 

@@ -9,8 +9,8 @@ the launch overlaps the predecessor's tail instead of following it. Every cudfla
 (`pdl_entry` in kernels/common.cuh): with a normal launch they are no-ops.
 
 CuPy's RawKernel cannot set launch attributes, so this calls cuLaunchKernelEx on the driver library through
-ctypes. `kernel_loader.Kernel` uses it only while a stream is capturing a CUDA graph: that is where the gaps
-show, and eager launches gain nothing worth the extra Python work per call.
+ctypes. `kernel_loader.Kernel` uses it only while a stream is capturing a CUDA graph and the tuning's `pdl` is on:
+that is where the gaps show, and eager launches gain nothing worth the extra Python work per call.
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ import numpy as np
 
 from cudflash.errors import BackendError
 
-ENABLED = True  # tests and A/B measurements switch it off to compare against plain launches
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 
 
@@ -59,7 +58,8 @@ def _driver() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
 
 
 def available() -> bool:
-    return ENABLED and _driver() is not None
+    """Whether this device and driver can launch programmatically."""
+    return _driver() is not None
 
 
 def _ctype(arg: object) -> ctypes._SimpleCData | ctypes.Structure:

@@ -16,11 +16,13 @@ summation order is the same at any M: a verify pass computes the bits of the dec
 A few rows of x (a decode step at batch 1: one row of 8-24 KiB) are copied into shared memory once, after the wait,
 instead of in boxes beside every weight stage (`resident_x_bytes`): the ring then holds weight alone, in as many
 stages as before (a deeper ring measured slower, when the whole ring was still requested before the wait: its
-larger prefill competes with the latency-bound kernels in front, which is what PREFILL_STAGES caps since). Only where x's bytes come from changes, not the MMAs or their order, so the bits are the same either way.
+larger prefill competes with the latency-bound kernels in front, which the tuning's stream_gemm_prefill_stages caps
+since). Only where x's bytes come from changes, not the MMAs or their order, so the bits are the same either way.
 
 Two epilogues remove the RMSNorm launches between a layer's GEMMs (`Epilogue`): the GEMM in front of a norm
 (o_proj, down) adds the residual and writes `norm_w * r` with its partial sums of r^2, and the GEMM after it
-(gate_up, the next qkv) scales its output rows by the rsqrt those sums give. `DeferredNorm` carries the product.
+(gate_up, the next qkv) scales its output rows by the rsqrt those sums give. A base.DeferredNorm carries the
+product (its `partial`: PartialNorm).
 A third removes the SwiGLU kernel between gate_up and down: with gate and up rows interleaved in groups of 8
 (CudaBackend.gate_up_weight), gate_up's epilogue holds both halves of a feature in one lane and writes
 silu(gate) * up as bf16 (`swiglu`).
@@ -30,31 +32,25 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import cupy
 
 from cudflash.backends import kernel_loader, pdl
+from cudflash.backends.base import DeferredNorm
 from cudflash.backends.cuda_util import i32
+from cudflash.backends.tuning import CudaTuning
 from cudflash.errors import BackendError
 
-ENABLED = True  # A/B measurements switch it off to compare against cuBLAS
 MAX_ROWS = 16  # two token tiles of 8
 MAX_PARTS = 256  # SG_MAX_PARTS: producer CTAs whose partial sums of squares a row-scaling GEMM folds
 KT = 256  # K columns per ring stage: 64 per compute warp, four k16 MMA steps
 BOX_K = 64  # K columns per TMA box: 128 bytes, the span of the 128-byte swizzle
 X_RESIDENT_BYTES = 32 << 10  # x's rows are resident (see above) while they take at most this much shared memory
-MIN_WEIGHT_BYTES = 8 << 20  # below this a GEMM is launch bound either way, and the tiny pair's goldens keep cuBLAS
 # Shared memory per CTA, all of it requested: more than half an SM's 228 KiB, so two of these CTAs never share an
 # SM (a kernel launched early under PDL would otherwise pile its CTAs onto the SMs free at that moment and stream
 # at half speed there), while one attention CTA (70 KiB) still fits beside one.
 SMEM_BUDGET = 116 << 10
-PROGRAMMATIC = True  # launched with PDL inside a captured step (A/B switch)
-# Ring stages requested before the wait. Six pairs on the H200 (Qwen3-8B, batch 1): the full ring (6 stages of
-# o_proj, more of the others) AR 4.25-4.26 ms / verify 4.43-4.44, 2 stages 4.23-4.25 / 4.42-4.43, 1 stage 4.24-4.25 /
-# 4.41 (three pairs), none 4.32 / 4.52. The head start is in the first stages; the rest of a prefill only slows
-# the latency-bound kernels in front, whose loads wait behind it.
-PREFILL_STAGES = 2
 COMPUTE_WARPS = 4  # SG_COMPUTE_WARPS in stream_gemm.cu
 THREADS = 32 * (COMPUTE_WARPS + 1)
 _Y = {"float32": "float", "bfloat16": "bf16", "uint16": "bf16"}
@@ -128,15 +124,16 @@ def available() -> bool:
     return per_block >= SMEM_BUDGET and 2 * (SMEM_BUDGET + 1024) > per_sm
 
 
-def usable(m: int, n: int, k: int, nbytes: int) -> bool:
+def usable(m: int, n: int, k: int, nbytes: int, tuning: CudaTuning) -> bool:
     """Whether CudaBackend.linear takes this kernel for x [m, k] @ w [n, k].T. Never a function of m within
-    1..MAX_ROWS: a weight must take one path for decode and verify alike, or their rows would differ."""
-    return ENABLED and 1 <= m <= MAX_ROWS and k % KT == 0 and nbytes >= MIN_WEIGHT_BYTES and available()
+    1..MAX_ROWS: a weight must take one path for decode and verify alike, or their rows would differ. (Below the
+    tuning's stream_gemm_min_bytes a GEMM is launch bound either way, and the tiny pair's goldens keep cuBLAS.)"""
+    return 1 <= m <= MAX_ROWS and k % KT == 0 and nbytes >= tuning.stream_gemm_min_bytes and available()
 
 
-def fusable(m: int, n: int, k: int, nbytes: int, num_sms: int) -> bool:
+def fusable(m: int, n: int, k: int, nbytes: int, num_sms: int, tuning: CudaTuning) -> bool:
     """Whether x [m, k] @ w [n, k].T can be an SG_ADD_NORM producer: usable, with few enough CTAs to fold."""
-    return usable(m, n, k, nbytes) and plan_for(n, k, num_sms).grid <= MAX_PARTS
+    return usable(m, n, k, nbytes, tuning) and plan_for(n, k, num_sms).grid <= MAX_PARTS
 
 
 class TensorMap(ctypes.Structure):  # CUtensorMap: 128 opaque bytes, passed to the kernel by value
@@ -148,22 +145,15 @@ class Epilogue(ctypes.Structure):  # struct Epilogue in stream_gemm.cu, passed b
                 ("ssq", ctypes.c_void_p), ("parts", ctypes.c_int), ("width", ctypes.c_int), ("eps", ctypes.c_float)]
 
 
-@dataclass(eq=False)
-class DeferredNorm:
-    """rms_norm(residual) * weight, not yet scaled by its rows' rsqrt: what an SG_ADD_NORM GEMM leaves for the next
-    GEMM, which applies the scale to its output rows (SG_ROW_SCALE). For a consumer that cannot (a small weight on
-    cuBLAS), CudaBackend.linear fills `plain` once with the RMSNorm kernel's rows."""
+@dataclass(frozen=True, eq=False)
+class PartialNorm:
+    """rms_norm(residual) * weight, not yet scaled by its rows' rsqrt (a DeferredNorm's `partial`): what an
+    SG_ADD_NORM GEMM leaves for the next GEMM, which applies the scale to its output rows (SG_ROW_SCALE). For a
+    consumer that cannot (a small weight on cuBLAS), CudaBackend.linear fills the DeferredNorm's `plain` once with
+    the RMSNorm kernel's rows."""
 
     normed: cupy.ndarray  # [M, H] bf16: weight * residual
     ssq: cupy.ndarray  # [parts, MAX_ROWS] float32: each producer CTA's sums of residual^2 over its columns
-    residual: cupy.ndarray  # [M, H] float32: the residual stream the norm is of
-    weight: cupy.ndarray  # [H] bf16
-    eps: float
-    plain: cupy.ndarray | None = field(default=None, repr=False)  # [M, H] bf16, once materialized
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.normed.shape
 
 
 @functools.cache
@@ -204,18 +194,18 @@ def _name(t: int, nt: int, y: str, epilogue: int, x_resident: bool) -> str:
 _NAMES = tuple(_name(t, nt, y, e, res) for t in (1, 2, 3, 4) for nt, res in ((1, False), (2, False), (1, True))
                for y, e in (("float", PLAIN), ("bf16", PLAIN), ("float", ADD_NORM), ("float", ROW_SCALE),
                             ("bf16", ROW_SCALE), ("bf16", SWIGLU), ("bf16", ROW_SCALE | SWIGLU)))
-_raised: set[tuple[str, int]] = set()  # (kernel, bytes) whose dynamic shared memory limit is raised
 
 
-def stream_gemm(x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray, num_sms: int, swiglu: bool = False) -> None:
+def stream_gemm(x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
+                swiglu: bool = False) -> None:
     """y[M, N] = x[M, K] @ w[N, K].T; x bf16 with 16-byte aligned rows, w bf16 contiguous, y bf16 or float32
     contiguous (the caller, CudaBackend.linear, checks `usable` and the layouts). swiglu: w is an interleaved
     gate_up weight (N % 16 == 0) and y [M, N / 2] bf16 gets silu(gate) * up."""
-    _launch(x, w, y, num_sms, SWIGLU if swiglu else PLAIN, Epilogue())
+    _launch(x, w, y, num_sms, tuning, SWIGLU if swiglu else PLAIN, Epilogue())
 
 
 def add_norm(x: cupy.ndarray, w: cupy.ndarray, residual: cupy.ndarray, norm_w: cupy.ndarray, eps: float,
-             num_sms: int) -> tuple[DeferredNorm, cupy.ndarray]:
+             num_sms: int, tuning: CudaTuning) -> tuple[DeferredNorm, cupy.ndarray]:
     """(rms_norm(r) * norm_w deferred, r) with r = residual + x @ w.T, float32 [M, N]; residual contiguous float32
     [M, N], norm_w bf16 [N]."""
     m, n = x.shape[0], w.shape[0]
@@ -223,18 +213,22 @@ def add_norm(x: cupy.ndarray, w: cupy.ndarray, residual: cupy.ndarray, norm_w: c
     r = cupy.empty((m, n), dtype=cupy.float32)
     normed = cupy.empty((m, n), dtype=w.dtype)
     ssq = cupy.empty((parts, MAX_ROWS), dtype=cupy.float32)
-    _launch(x, w, r, num_sms, ADD_NORM, Epilogue(residual.data.ptr, norm_w.data.ptr, normed.data.ptr, ssq.data.ptr))
-    return DeferredNorm(normed, ssq, r, norm_w, eps), r
+    _launch(x, w, r, num_sms, tuning, ADD_NORM,
+            Epilogue(residual.data.ptr, norm_w.data.ptr, normed.data.ptr, ssq.data.ptr))
+    return DeferredNorm(r, norm_w, eps, partial=PartialNorm(normed, ssq)), r
 
 
-def row_scaled(x: DeferredNorm, w: cupy.ndarray, y: cupy.ndarray, num_sms: int, swiglu: bool = False) -> None:
-    """y = rms_norm(x.residual) * x.weight @ w.T, from the deferred form: x.normed @ w.T, rows scaled (swiglu: as
-    in stream_gemm)."""
-    _launch(x.normed, w, y, num_sms, ROW_SCALE | (SWIGLU if swiglu else 0),
-            Epilogue(ssq=x.ssq.data.ptr, parts=x.ssq.shape[0], width=x.normed.shape[1], eps=x.eps))
+def row_scaled(x: DeferredNorm, w: cupy.ndarray, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
+               swiglu: bool = False) -> None:
+    """y = rms_norm(x.residual) * x.weight @ w.T, from the partial form add_norm left: normed @ w.T, rows scaled
+    (swiglu: as in stream_gemm)."""
+    part: PartialNorm = x.partial
+    _launch(part.normed, w, y, num_sms, tuning, ROW_SCALE | (SWIGLU if swiglu else 0),
+            Epilogue(ssq=part.ssq.data.ptr, parts=part.ssq.shape[0], width=part.normed.shape[1], eps=x.eps))
 
 
-def _launch(x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray, num_sms: int, epilogue: int, epi: Epilogue) -> None:
+def _launch(x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray, num_sms: int, tuning: CudaTuning, epilogue: int,
+            epi: Epilogue) -> None:
     m, k = x.shape
     n = w.shape[0]
     if epilogue & SWIGLU and (n % 16 or y.shape != (m, n // 2) or y.dtype.name == "float32"):
@@ -242,18 +236,15 @@ def _launch(x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray, num_sms: int, epi
     plan = plan_for(n, k, num_sms)
     x_bytes = resident_x_bytes(m, k)
     name = _name(plan.t, 1 if m <= 8 else 2, _Y[y.dtype.name], epilogue, x_bytes is not None)
-    kern = kernel_loader.function("stream_gemm", name, _NAMES).raw
+    kern = kernel_loader.function("stream_gemm", name, _NAMES, tuning=tuning)
     smem = plan.smem(x_bytes)
-    if (name, smem) not in _raised:
-        kern.max_dynamic_shared_size_bytes = smem
-        _raised.add((name, smem))
+    kern.reserve_shared(smem)
     ldx = x.strides[0] // x.itemsize if m > 1 else k
     wmap = tensor_map(w.data.ptr, n, k, k, 16 * plan.t)
     xmap = tensor_map(x.data.ptr, m, k, ldx, 16) if x_bytes is None else _x_rows(x.data.ptr, 2 * ldx)
     stream = cupy.cuda.get_current_stream()
-    args = (wmap, xmap, y, i32(m), i32(n), i32(k), i32(plan.stages), i32(PREFILL_STAGES), epi)
-    pdl.launch(kern, (plan.grid,), (THREADS,), args, smem, stream,
-               programmatic=PROGRAMMATIC and stream.is_capturing() and pdl.available())
+    args = (wmap, xmap, y, i32(m), i32(n), i32(k), i32(plan.stages), i32(tuning.stream_gemm_prefill_stages), epi)
+    pdl.launch(kern.raw, (plan.grid,), (THREADS,), args, smem, stream, programmatic=kern.programmatic(stream))
 
 
 def _x_rows(ptr: int, stride: int) -> TensorMap:

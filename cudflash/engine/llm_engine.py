@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence as Seq
 
-from cudflash.backends import get_backend
+from cudflash.backends import CudaTuning, get_backend
 from cudflash.config import load_target_config
 from cudflash.draft_config import DraftOptions, apply_draft_options, load_draft_config, validate_pair
 from cudflash.engine.model_runner import ModelRunner
@@ -49,7 +49,8 @@ class LLM:
                  block_size: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 8192,
                  kv_block_size: int = 16, num_kv_blocks: int | None = None, memory_utilization: float = 0.9,
                  enable_prefix_caching: bool = True, progress: bool = False, random_weights: bool = False,
-                 draft_options: DraftOptions | dict | None = None, enforce_eager: bool = False):
+                 draft_options: DraftOptions | dict | None = None, enforce_eager: bool = False,
+                 tuning: CudaTuning | dict | None = None):
         self.target_cfg = load_target_config(target)
         self.draft_cfg = load_draft_config(draft) if draft is not None else None
         # Drafting choices (sliding-window override, DSpark confidence cut / adaptive verify): lossless, off by default.
@@ -67,7 +68,7 @@ class LLM:
         if max_num_batched_tokens < max_num_seqs * self.block_size:
             raise ConfigError(f"max_num_batched_tokens {max_num_batched_tokens} cannot hold {max_num_seqs} "
                               f"sequences of block {self.block_size}")
-        self.backend = get_backend(backend)
+        self.backend = get_backend(backend, tuning)  # tuning: the cuda backend's (backends/tuning.py)
         self.runner = ModelRunner(self.target_cfg, self.draft_cfg, self.backend, max_block_size=self.block_size,
                                   kv_block_size=kv_block_size, num_kv_blocks=num_kv_blocks,
                                   max_num_seqs=max_num_seqs, memory_utilization=memory_utilization,

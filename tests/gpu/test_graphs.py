@@ -124,15 +124,14 @@ def test_captured_kernels_use_programmatic_dependent_launch(tiny_pair, goldens, 
     monkeypatch.setattr(pdl, "launch", lambda kernel, *rest: (launched.append(kernel), real_launch(kernel, *rest)))
     prompts = [g["prompt_ids"] for g in goldens[:4]]
 
-    def run() -> list[list[int]]:
-        llm = LLM(tiny_pair / "target", draft=tiny_pair / "drafter", backend="cuda")
+    def run(tuning: dict | None = None) -> list[list[int]]:
+        llm = LLM(tiny_pair / "target", draft=tiny_pair / "drafter", backend="cuda", tuning=tuning)
         return [o.token_ids for o in llm.generate(prompts, PARAMS)]
 
     with_pdl = run()
     assert len(launched) > 100  # every layer's norms, RoPE/KV store, attention, SiLU of every captured step
-    monkeypatch.setattr(pdl, "ENABLED", False)
     launched.clear()
-    assert run() == with_pdl
+    assert run({"pdl": False}) == with_pdl
     assert not launched
 
 

@@ -387,7 +387,8 @@ def run_attention(cb, rng, d, hk, group, q_lens, ctx_lens, causal, window, block
     poison_pool(ref.size * 2)
     check(cb.to_numpy(cb.attention(dq, dk, dv, meta, scale, causal, window)), ref)  # split-K as chosen
     poison_pool(ref.size * 2)
-    single = cuda_attention.attention(dq, dk, dv, meta, scale, causal, window, num_sms=1)  # fewest splits
+    single = cuda_attention.attention(dq, dk, dv, meta, scale, causal, window, num_sms=1,
+                                      tuning=cb.tuning)  # fewest splits
     check(cb.to_numpy(single), ref)
 
 
@@ -422,7 +423,7 @@ def test_verify_rows_equal_decode_bitwise(cb, rng, d, group, window):
     else shares the launch: that is what makes speculative greedy output equal autoregressive output."""
     hk, q_len, ctx = 2, 16, 300  # 300 keys: five 64-key splits, the last one partial
     other_ctx = 480  # a longer neighbour: more splits in the grid, the extra ones empty for our rows
-    assert cuda_attention.context_bucket(other_ctx) <= cuda_attention.INVARIANT_MAX_CONTEXT
+    assert cuda_attention.context_bucket(other_ctx) <= cb.tuning.invariant_max_context
     kc, vc, tables = make_paged(rng, d, hk, [q_len, 1], [ctx, other_ctx])
     q = rnd(rng, q_len + 1, hk * group * d)
     dq, dk, dv = cb.asarray(q, "act"), cb.asarray(kc, "act"), cb.asarray(vc, "act")
@@ -441,6 +442,30 @@ def test_verify_rows_equal_decode_bitwise(cb, rng, d, group, window):
         assert np.array_equal(decode[0], verify[i]), f"row {i} (position {pos}) differs from its decode"
     ref = nb.attention(q[:q_len], kc, vc, build_meta([q_len], [ctx], tables[:1]), scale, True, window)
     check(bf16_bits_to_f32(verify), ref)
+
+
+def test_the_invariant_shape_reaches_the_tuning_limit(rng):
+    """A backend tuned to keep the row-invariant shape up to INVARIANT_CONTEXT_LIMIT keys (MAX_SPLITS splits of one
+    K/V tile) runs a 4096-key bucket on it: verify rows keep their decode's bits there too."""
+    from cudflash.backends.cuda_backend import CudaBackend
+    from cudflash.backends.tuning import INVARIANT_CONTEXT_LIMIT, CudaTuning
+
+    assert INVARIANT_CONTEXT_LIMIT == cuda_attention.MAX_SPLITS * cuda_attention.BN
+    b = CudaBackend(CudaTuning(invariant_max_context=INVARIANT_CONTEXT_LIMIT))
+    d, hk, group, q_len, ctx = 128, 2, 4, 4, 4000
+    assert cuda_attention.context_bucket(ctx) == INVARIANT_CONTEXT_LIMIT
+    kc, vc, tables = make_paged(rng, d, hk, [q_len], [ctx])
+    q = rnd(rng, q_len, hk * group * d)
+    dq, dk, dv = b.asarray(q, "act"), b.asarray(kc, "act"), b.asarray(vc, "act")
+
+    def run(rows, n, context):
+        return bits(b.attention(rows, dk, dv, b.prepare_meta(build_meta([n], [context], tables)), d ** -0.5,
+                                True)).get()
+
+    verify = run(dq, q_len, ctx)
+    for i in range(q_len):
+        assert np.array_equal(run(dq[i:i + 1], 1, ctx - q_len + i + 1)[0], verify[i]), i
+    check(bf16_bits_to_f32(verify), nb.attention(q, kc, vc, build_meta([q_len], [ctx], tables), d ** -0.5, True))
 
 
 # ----------------------------------------------------------------------------------------------- graphs

@@ -3,15 +3,18 @@ captured graph behind a kernel that writes its input (programmatic dependent lau
 griddepcontrol.wait, x only after it)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 cp = pytest.importorskip("cupy")
 
 from cudflash.backends import stream_gemm as sg  # noqa: E402
+from cudflash.backends.base import DeferredNorm  # noqa: E402
 from cudflash.backends.cuda_util import bits  # noqa: E402
-
 from cudflash.backends.numpy_backend import NumpyBackend  # noqa: E402
+from cudflash.backends.tuning import CudaTuning  # noqa: E402
 
 from .test_ops import NAN_BITS, check, poison_pool, rnd  # noqa: E402
 
@@ -44,25 +47,25 @@ def test_stream_gemm_matches_numpy(cb, rng, n, k, m):
     for dtype in (cp.float32, cb.act):
         y = cp.empty((m, n), dtype=dtype)
         bits(y)[...] = NAN_BITS  # every output must be written
-        sg.stream_gemm(dx, dw, y, cb.num_sms)
+        sg.stream_gemm(dx, dw, y, cb.num_sms, cb.tuning)
         check(cb.to_numpy(y), x @ w.T, tol=1e-5 if dtype == cp.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("m", [1, 9])  # x resident, x in boxes
-def test_prefill_depth_changes_no_bit(cb, rng, monkeypatch, m):
-    """PREFILL_STAGES only moves where the ring's first copies are issued (before or after the wait): none, one,
-    and more than the ring holds give the bits of the default, over several rounds of the ring."""
+def test_prefill_depth_changes_no_bit(cb, rng, m):
+    """The tuning's stream_gemm_prefill_stages only moves where the ring's first copies are issued (before or after
+    the wait): none, one, and more than the ring holds give the bits of the default, over several rounds of the
+    ring."""
     skip_without_tma()
     n, k = 4096, 12288
     x, w = cb.asarray(rnd(rng, m, k), "act"), cb.asarray(rnd(rng, n, k, scale=k ** -0.5), "act")
     ref = cp.empty((m, n), cp.float32)
-    sg.stream_gemm(x, w, ref, cb.num_sms)
+    sg.stream_gemm(x, w, ref, cb.num_sms, cb.tuning)
     check(cb.to_numpy(ref), cb.to_numpy(x).astype(np.float32) @ cb.to_numpy(w).astype(np.float32).T, tol=1e-5)
     for prefill in (0, 1, 64):
-        monkeypatch.setattr(sg, "PREFILL_STAGES", prefill)
         y = cp.empty((m, n), cp.float32)
         bits(y)[...] = NAN_BITS
-        sg.stream_gemm(x, w, y, cb.num_sms)
+        sg.stream_gemm(x, w, y, cb.num_sms, dataclasses.replace(cb.tuning, stream_gemm_prefill_stages=prefill))
         assert cp.array_equal(y.view(cp.uint32), ref.view(cp.uint32)), prefill
 
 
@@ -72,10 +75,10 @@ def test_stream_gemm_rows_do_not_depend_on_the_other_rows(cb, rng, n, k):
     skip_without_tma()
     x, w = cb.asarray(rnd(rng, 16, k), "act"), cb.asarray(rnd(rng, n, k, scale=k ** -0.5), "act")
     full = cp.empty((16, n), cp.float32)
-    sg.stream_gemm(x, w, full, cb.num_sms)
+    sg.stream_gemm(x, w, full, cb.num_sms, cb.tuning)
     for rows in ((0, 1), (3, 4), (15, 16), (2, 9), (0, 5)):
         part = cp.empty((rows[1] - rows[0], n), cp.float32)
-        sg.stream_gemm(x[rows[0]:rows[1]], w, part, cb.num_sms)
+        sg.stream_gemm(x[rows[0]:rows[1]], w, part, cb.num_sms, cb.tuning)
         assert cp.array_equal(part.view(cp.uint32), full[rows[0]:rows[1]].view(cp.uint32)), rows
 
 
@@ -85,13 +88,31 @@ def test_linear_routes_big_weights_through_stream_gemm(cb, rng, monkeypatch):
     real = sg.stream_gemm
     monkeypatch.setattr(sg, "stream_gemm", lambda *a: calls.append(a[1].shape) or real(*a))
     k = 1024
-    n_big = sg.MIN_WEIGHT_BYTES // (2 * k)  # exactly the smallest weight it takes
+    n_big = cb.tuning.stream_gemm_min_bytes // (2 * k)  # exactly the smallest weight it takes
     big, small = rnd(rng, n_big, k, scale=k ** -0.5), rnd(rng, 512, k, scale=k ** -0.5)
     for m in (1, 16, 17):
         x = rnd(rng, m, k)
         check(cb.to_numpy(cb.linear(cb.asarray(x, "act"), cb.asarray(big, "act"), out_f32=True)), x @ big.T, 1e-5)
         cb.linear(cb.asarray(x, "act"), cb.asarray(small, "act"))
     assert calls == [(n_big, k), (n_big, k)]  # m = 1 and 16; m = 17 and the small weight stay on cuBLAS
+
+
+def test_the_tuning_threshold_routes_each_backend_on_its_own(cb, rng, monkeypatch):
+    """Two backends in one process with different stream_gemm_min_bytes: the one whose threshold is above the
+    weight keeps it on cuBLAS, the default one streams it, and both compute the product."""
+    skip_without_tma()
+    from cudflash.backends.cuda_backend import CudaBackend
+
+    calls = []
+    real = sg.stream_gemm
+    monkeypatch.setattr(sg, "stream_gemm", lambda *a: calls.append(a[4].stream_gemm_min_bytes) or real(*a))
+    k = 1024
+    w = rnd(rng, cb.tuning.stream_gemm_min_bytes // (2 * k), k, scale=k ** -0.5)
+    cublas = CudaBackend(CudaTuning(stream_gemm_min_bytes=2 * w.size * 2))
+    x = rnd(rng, 4, k)
+    for b in (cublas, cb, cublas):
+        check(b.to_numpy(b.linear(b.asarray(x, "act"), b.asarray(w, "act"), out_f32=True)), x @ w.T, 1e-5)
+    assert calls == [cb.tuning.stream_gemm_min_bytes]
 
 
 @pytest.mark.parametrize("m", [1, 16])  # x resident in shared memory, x in boxes
@@ -169,7 +190,7 @@ def test_swiglu_epilogue_has_the_bits_of_the_swiglu_kernel(cb, rng, m):
     poison_pool(m * inter * 4)
     fused = cb.swiglu(x, w)
     y32 = cp.empty((m, 2 * inter), cp.float32)
-    sg.stream_gemm(x, w, y32, cb.num_sms)
+    sg.stream_gemm(x, w, y32, cb.num_sms, cb.tuning)
     assert cp.array_equal(bits(fused), bits(cb._swiglu_rows(y32)))
     check(cb.to_numpy(fused), NumpyBackend().swiglu(x_host, np.concatenate([gate, up])))
 
@@ -177,9 +198,9 @@ def test_swiglu_epilogue_has_the_bits_of_the_swiglu_kernel(cb, rng, m):
     w_in = cb.asarray(rnd(rng, h, 4096, scale=4096 ** -0.5), "act")  # a producer that streams (8 MiB)
     normed, _ = cb.linear_add_rms_norm(cb.asarray(rnd(rng, m, 4096), "act"), w_in, None, res,
                                        cb.asarray(rnd(rng, h) + 1, "act"), EPS)
-    assert isinstance(normed, sg.DeferredNorm)
+    assert isinstance(normed, DeferredNorm) and isinstance(normed.partial, sg.PartialNorm)
     fused = cb.swiglu(normed, w)
-    sg.row_scaled(normed, w, y32, cb.num_sms)
+    sg.row_scaled(normed, w, y32, cb.num_sms, cb.tuning)
     assert cp.array_equal(bits(fused), bits(cb._swiglu_rows(y32)))
 
 
@@ -193,7 +214,7 @@ def test_swiglu_rows_do_not_depend_on_the_other_rows(cb, rng):
 
 
 # ------------------------------------------------------------------- the RMSNorm deferred between two GEMMs
-H, K_IN, N_OUT = 2048, 2048, 2048  # every weight exactly MIN_WEIGHT_BYTES: the smallest that streams
+H, K_IN, N_OUT = 2048, 2048, 2048  # every weight exactly the default stream_gemm_min_bytes: the smallest that streams
 EPS = 1e-6
 
 
@@ -217,7 +238,7 @@ def test_linear_add_rms_norm_defers_the_norm_into_the_next_gemm(cb, rng, m):
     ref_normed, ref_r = nb.add_rms_norm(host["x"] @ host["w"].T, host["res"], host["nw"], EPS)
     poison_pool(16 * H * 4 * 4)
     normed, r = cb.linear_add_rms_norm(dev["x"], dev["w"], None, dev["res"], dev["nw"], EPS)
-    assert isinstance(normed, sg.DeferredNorm) and normed.ssq.shape[1] == sg.MAX_ROWS
+    assert isinstance(normed, DeferredNorm) and normed.partial.ssq.shape[1] == sg.MAX_ROWS
     check(cb.to_numpy(r), ref_r, tol=1e-5)
     y = cb.linear(normed, dev["w2"], out_f32=True)
     check(cb.to_numpy(y), ref_normed @ host["w2"].T, tol=1e-2)

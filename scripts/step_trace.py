@@ -1,11 +1,13 @@
-"""The step timeline (scripts/step_timeline.py): events that kernels compiled with CF_TRACE record
-(kernels/common.cuh), read off the device and grouped into launches.
+"""The step timeline's events (scripts/step_timeline.py): what kernels compiled with CF_TRACE record
+(kernels/common.cuh), read off the device and grouped into launches. A tool, not part of the package: the product
+only compiles the recording in when a tuning's nvrtc_options ask for it (`OPTIONS`).
 
 Thread 0 of every CTA records two events: when the CTA starts, and when its wait on the kernel in front returns
 (its "release"); a kernel that marks it (stream_gemm, attention, rope) records a third when the CTA's outputs are
 written (its "end"). An event is two uint64: the %globaltimer time in ns and a packed word,
 kind (bits 62-63: 0 start, 1 release, 2 end) | module (56-61) | SM (48-55) | warps per CTA (42-47) | CTAs in the
-grid (21-41) | CTA index (0-20). Each compiled module has its own buffer (kernel_loader.traced).
+grid (21-41) | CTA index (0-20). Each compiled module has its own buffer; every module is compiled with module
+number 0 (the options are one tuple for all) and `read` writes each buffer's own module number into its events.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import numpy as np
 
 MODULES = ("argmax", "attention", "draft_heads", "elementwise", "memory", "norm", "rope", "stream_gemm")
 CAP = 1 << 18  # CF_TRACE_CAP: events per module buffer
+OPTIONS = ("-DCF_TRACE", "-DCF_TRACE_MODULE=0")  # the tuning's nvrtc_options that compile the recording in
+_MODULE_BITS = np.uint64(63 << 56)
 
 
 @dataclass
@@ -120,23 +124,37 @@ def layer_means(ordered: list[Launch], gemms_per_layer: int = 4) -> tuple[int, l
     return len(layers), out
 
 
-def buffers(modules) -> list[tuple[object, object]]:
-    """(event count, events) device views of each traced module's buffers (modules: kernel_loader.traced)."""
+def tagged(events: np.ndarray, module: int) -> np.ndarray:
+    """Events [n, 2] (time, word) of one module's buffer with `module` as the word's module number."""
+    out = events.copy()
+    out[:, 1] = (out[:, 1] & ~_MODULE_BITS) | np.uint64(module << 56)
+    return out
+
+
+def traced_modules() -> list[tuple[str, object]]:
+    """(name, module) of every module this process compiled with the recording in (kernel_loader.loaded)."""
+    from cudflash.backends import kernel_loader
+
+    return [(name, mod) for name, options, mod in kernel_loader.loaded if OPTIONS[0] in options]
+
+
+def buffers(modules) -> list[tuple[str, object, object]]:
+    """(name, event count, events): device views of each traced module's buffers."""
     import cupy
 
-    return [(cupy.ndarray((1,), cupy.uint32, memptr=mod.get_global("cf_trace_count")),
-             cupy.ndarray((2 * CAP,), cupy.uint64, memptr=mod.get_global("cf_trace"))) for _, mod in modules]
+    return [(name, cupy.ndarray((1,), cupy.uint32, memptr=mod.get_global("cf_trace_count")),
+             cupy.ndarray((2 * CAP,), cupy.uint64, memptr=mod.get_global("cf_trace"))) for name, mod in modules]
 
 
 def reset(modules) -> None:
-    for count, _ in buffers(modules):
+    for _, count, _ in buffers(modules):
         count.fill(0)
 
 
 def read(modules) -> np.ndarray:
-    """Every module's recorded events, [n, 2] uint64 (time, word)."""
+    """Every module's recorded events, [n, 2] uint64 (time, word), each tagged with its module's number."""
     rows = [np.zeros((0, 2), np.uint64)]
-    for count, events in buffers(modules):
+    for name, count, events in buffers(modules):
         n = min(int(count.get()[0]), CAP)
-        rows.append(events[: 2 * n].get().reshape(n, 2))
+        rows.append(tagged(events[: 2 * n].get().reshape(n, 2), MODULES.index(name)))
     return np.concatenate(rows)

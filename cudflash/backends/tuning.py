@@ -1,0 +1,137 @@
+"""The CUDA backend's tuning: one frozen value handed to `CudaBackend(tuning=...)` and read from there by every
+user (the kernel loader, the stream GEMM, attention, the graph runner), so two backends in one process may be tuned
+differently and nothing can be flipped after a kernel is compiled or a plan cached. Users: `LLM(..., tuning=...)`
+(a CudaTuning or a dict) and `cudflash bench --tune NAME=VALUE`.
+
+Only choices still worth an A/B on the hardware are fields; the defaults are the measured best (BENCHMARKS.md).
+Facts of a kernel (tile sizes mirrored from a .cu file) and settled choices are constants of their module.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import typing
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Iterable
+
+from cudflash.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class CudaTuning:
+    # Kernels inside a captured CUDA graph are launched with programmatic dependent launch (pdl.py) and may start
+    # while the kernel in front drains. Off: plain launches, to compare tokens and to see what the boundaries cost.
+    pdl: bool = True
+    # Plain decoding queues step k + 1 before it waits for step k's tokens (the graph runner).
+    run_ahead: bool = True
+    # Weight ring stages a stream GEMM CTA requests before griddepcontrol.wait; the rest follow the wait. No bit
+    # depends on it (kernels/stream_gemm.cu).
+    stream_gemm_prefill_stages: int = 2
+    # Weights of at least this many bytes take the stream GEMM at 1..16 rows, smaller ones cuBLAS. Larger than
+    # every weight: cuBLAS throughout.
+    stream_gemm_min_bytes: int = 8 << 20
+    # Decode and verify attention keep the row-invariant launch shape (a verify row has the bits of its decode, so
+    # greedy speculation reproduces greedy decoding exactly) while the context bucket is at most this many keys;
+    # longer contexts take the faster shape and agree up to bf16 rounding (cuda_attention.py). At most
+    # INVARIANT_CONTEXT_LIMIT.
+    invariant_max_context: int = 512
+    # A folder to compile the CUDA sources from instead of the package's: an A/B of kernel code in one checkout.
+    kernel_dir: str | None = None
+    # Extra NVRTC options for every module, e.g. -lineinfo, or the step timeline's -DCF_TRACE
+    # (scripts/step_timeline.py).
+    nvrtc_options: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.kernel_dir, os.PathLike):
+            object.__setattr__(self, "kernel_dir", os.fspath(self.kernel_dir))
+        for f, kind in _field_types().items():
+            value = getattr(self, f)
+            ok = {bool: isinstance(value, bool), int: isinstance(value, int) and not isinstance(value, bool),
+                  str: value is None or isinstance(value, str),
+                  tuple: isinstance(value, tuple) and all(isinstance(v, str) for v in value)}[kind]
+            if not ok:
+                raise ConfigError(f"tuning.{f}: expected {_DESCRIBE[kind]}, got {value!r}")
+        for f in ("stream_gemm_prefill_stages", "stream_gemm_min_bytes", "invariant_max_context"):
+            if getattr(self, f) < 0:
+                raise ConfigError(f"tuning.{f}: expected a non-negative integer, got {getattr(self, f)}")
+        if self.invariant_max_context > INVARIANT_CONTEXT_LIMIT:
+            raise ConfigError(f"tuning.invariant_max_context: at most {INVARIANT_CONTEXT_LIMIT} keys, got "
+                              f"{self.invariant_max_context}")
+        if self.kernel_dir is not None and not Path(self.kernel_dir).is_dir():
+            raise ConfigError(f"tuning.kernel_dir: {self.kernel_dir} is not a folder")
+
+    def changed(self) -> dict[str, Any]:
+        """The fields that differ from the defaults."""
+        default = asdict(CudaTuning())
+        return {k: v for k, v in asdict(self).items() if v != default[k]}
+
+
+# The row-invariant attention shape splits the keys into one 64-key tile per CTA, and the split merge takes at most 64
+# splits (cuda_attention.BN, MAX_SPLITS).
+INVARIANT_CONTEXT_LIMIT = 64 * 64
+_DESCRIBE = {bool: "true or false", int: "an integer", str: "a path or none", tuple: "NVRTC options"}
+
+
+@functools.cache
+def _field_types() -> dict[str, type]:
+    """Each field's kind: bool, int, str (an optional path) or tuple (of strings)."""
+    hints = typing.get_type_hints(CudaTuning)
+    kinds = {}
+    for f in fields(CudaTuning):
+        hint = hints[f.name]
+        kinds[f.name] = hint if hint in (bool, int) else tuple if typing.get_origin(hint) is tuple else str
+    return kinds
+
+
+def as_tuning(value: CudaTuning | dict[str, Any] | None) -> CudaTuning:
+    """A CudaTuning from what a caller passed: None (the defaults), a CudaTuning, or a dict of fields."""
+    if value is None:
+        return CudaTuning()
+    if isinstance(value, CudaTuning):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(f"tuning: expected a CudaTuning or a dict, got {type(value).__name__}")
+    kinds = _field_types()
+    unknown = sorted(set(value) - set(kinds))
+    if unknown:
+        raise ConfigError(f"tuning: unknown field {unknown[0]!r} (expected one of {', '.join(kinds)})")
+    if isinstance(value.get("nvrtc_options"), list):
+        value = {**value, "nvrtc_options": tuple(value["nvrtc_options"])}
+    return CudaTuning(**value)
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_tuning(assignments: Iterable[str]) -> CudaTuning:
+    """A CudaTuning from `NAME=VALUE` strings (`cudflash bench --tune`), each value read as its field's type:
+    bool 1/0/true/false/yes/no/on/off, int in Python syntax (8388608, 0x800000), a path or `none`, NVRTC options
+    separated by spaces. A later assignment of a name wins."""
+    kinds = _field_types()
+    values: dict[str, Any] = {}
+    for text in assignments:
+        name, sep, raw = text.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise ConfigError(f"--tune {text!r}: expected NAME=VALUE")
+        if name not in kinds:
+            raise ConfigError(f"--tune {text}: unknown tuning field {name!r} (expected one of {', '.join(kinds)})")
+        kind, raw = kinds[name], raw.strip()
+        if kind is bool:
+            if raw.lower() not in _TRUE + _FALSE:
+                raise ConfigError(f"--tune {text}: {name} expects true or false (1/0, yes/no, on/off)")
+            values[name] = raw.lower() in _TRUE
+        elif kind is int:
+            try:
+                values[name] = int(raw, 0)
+            except ValueError:
+                raise ConfigError(f"--tune {text}: {name} expects an integer") from None
+        elif kind is tuple:
+            values[name] = tuple(raw.split())
+        else:
+            values[name] = None if raw.lower() in ("", "none") else raw
+    try:
+        return CudaTuning(**values)
+    except ConfigError as e:
+        raise ConfigError(f"--tune: {e}") from None
