@@ -148,24 +148,23 @@ def _float(cfg: dict, key: str, path: str, default: Any = _REQUIRED, positive: b
     return float(value)
 
 
-def _bool(cfg: dict, key: str, path: str, default: bool, label: str = "") -> bool:
-    """A true / false field (null: the default); 0, 1 and strings are not booleans."""
+def _typed(cfg: dict, key: str, path: str, default: Any, kind: type, label: str) -> Any:
+    """A field of one JSON type, bool or str (null: the default); 0 and 1 are not booleans."""
     value = cfg.get(key)
     if value is None:
         return default
-    if not isinstance(value, bool):
-        raise ConfigError(f"{path}: field '{label or key}' should be true or false, got {shown(value)}")
+    if not isinstance(value, kind):
+        expected = "true or false" if kind is bool else "a string"
+        raise ConfigError(f"{path}: field '{label or key}' should be {expected}, got {shown(value)}")
     return value
+
+
+def _bool(cfg: dict, key: str, path: str, default: bool, label: str = "") -> bool:
+    return _typed(cfg, key, path, default, bool, label)
 
 
 def _str(cfg: dict, key: str, path: str, default: Any, label: str = "") -> Any:
-    """A string field (null: the default)."""
-    value = cfg.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, str):
-        raise ConfigError(f"{path}: field '{label or key}' should be a string, got {shown(value)}")
-    return value
+    return _typed(cfg, key, path, default, str, label)
 
 
 def _architectures(cfg: dict, path: str) -> list[str]:
