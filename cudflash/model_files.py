@@ -19,7 +19,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 MAX_JSON_DEPTH = 64  # configs nest a few levels (rope_parameters, quantization_config, text_config)
-MAX_INT_DIGITS = 64  # no field of a config or header needs more; Python's own bound (4300) is slow to reach
+MAX_INT_DIGITS = 64  # no field of a config or header needs more (Python's own limit is 4300 digits)
 
 
 class UnsafeFileError(ValueError):
@@ -58,8 +58,11 @@ def resolve_inside(folder: Path, name: object) -> Path:
     if ".." in PurePosixPath(name).parts or ".." in PureWindowsPath(name).parts:
         raise UnsafeFileError("a path with '..'")
     path = folder / name
-    real = path.resolve()
-    if not any(real == root or real.is_relative_to(root) for root in _roots(folder)):
+    try:
+        real = path.resolve()
+    except (RuntimeError, OSError):  # a loop of links (RuntimeError before Python 3.13)
+        raise UnsafeFileError("a loop of symbolic links") from None
+    if not any(real.is_relative_to(root) for root in _roots(folder)):
         raise UnsafeFileError("a symbolic link that leaves the folder")
     return path
 
@@ -75,7 +78,7 @@ def open_regular(path: Path) -> BinaryIO:
 
 
 def read_bounded(path: Path, max_bytes: int) -> bytes:
-    """A regular file's bytes, refusing one over `max_bytes` (by its size, and by what a read really returns).
+    """A regular file's bytes, refusing one of more than `max_bytes` (never reading more than one byte past).
     Raises UnsafeFileError, JSONError (too large) or OSError."""
     with open_regular(path) as f:
         data = f.read(max_bytes + 1)
@@ -108,7 +111,7 @@ def _object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict:
     out: dict = {}
     for key, value in pairs:
         if key in out:
-            raise JSONError(f"duplicate key {key[:80]!r}")
+            raise JSONError(f"duplicate key {shown(key)}")
         out[key] = value
     return out
 

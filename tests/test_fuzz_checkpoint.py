@@ -322,6 +322,13 @@ def test_symlinked_shard_that_leaves_the_folder(pair, link_to):
     refused(pair, CheckpointError, str(pair.target / INDEX), "symbolic link", "refusing to read outside")
 
 
+def test_loop_of_links_as_a_shard(pair):
+    (pair.target / SHARD2).unlink()
+    (pair.target / SHARD2).symlink_to(pair.target / "loop")
+    (pair.target / "loop").symlink_to(pair.target / SHARD2)
+    refused(pair, CheckpointError, str(pair.target / INDEX), "loop of symbolic links")
+
+
 def test_symlinked_subfolder_that_leaves_the_folder(pair):
     (pair.target / "sub").symlink_to(pair.outside, target_is_directory=True)
     edit_index(pair, retarget(f"sub/{SHARD2}"))
