@@ -21,17 +21,24 @@ from cudflash.config import (
     DRAFT_ARCHITECTURES,
     PROJECTOR_TYPES,
     TARGET_ARCHITECTURES,
+    MAX_LAYERS,
+    MAX_POSITIONS,
+    MAX_VOCAB,
     RopeConfig,
     TargetConfig,
-    _check_heads,
+    _architectures,
+    _bool,
     _check_mlp,
-    _float,
-    _head_dim,
     _int,
-    parse_rope,
+    _str,
     read_config_json,
+    transformer_dims,
 )
 from cudflash.errors import ConfigError
+from cudflash.model_files import shown
+
+MAX_BLOCK_SIZE = 256  # rows of one draft block (released drafters use 7 to 16)
+MAX_HEAD_RANK = 1 << 16  # selector / Markov ranks, conv taps and groups
 
 
 @dataclass(slots=True)
@@ -107,19 +114,23 @@ def _one_of(dcfg: dict, cfg: dict, key: str) -> Any:
     return nested if nested is not None else cfg.get(key)
 
 
-def _nested_int(dcfg: dict, cfg: dict, key: str, path: str, default: Any = 0, minimum: int = 0) -> Any:
+def _where(dcfg: dict, key: str) -> str:
+    """The field's name as the config spells it."""
+    return f"dflash_config.{key}" if dcfg.get(key) is not None else key
+
+
+def _nested_int(dcfg: dict, cfg: dict, key: str, path: str, default: Any = 0, minimum: int = 0,
+                maximum: int = MAX_HEAD_RANK) -> Any:
     """An integer field read with `_one_of` (nested `dflash_config` first), named in errors as it is spelled."""
-    where = f"dflash_config.{key}" if dcfg.get(key) is not None else key
-    return _int({key: _one_of(dcfg, cfg, key)}, key, path, default=default, minimum=minimum, label=where)
+    return _int({key: _one_of(dcfg, cfg, key)}, key, path, default=default, minimum=minimum, label=_where(dcfg, key),
+                maximum=maximum)
 
 
 def _nested_bool(dcfg: dict, cfg: dict, keys: tuple[str, ...], path: str, default: bool) -> bool:
     for key in keys:
         value = _one_of(dcfg, cfg, key)
         if value is not None:
-            if not isinstance(value, bool):
-                raise ConfigError(f"{path}: field '{key}' should be true or false, got {value!r}")
-            return value
+            return _bool({key: value}, key, path, default, label=_where(dcfg, key))
     return default
 
 
@@ -127,27 +138,25 @@ def _draft_kind(cfg: dict, dcfg: dict, path: str) -> str:
     """Which family the checkpoint belongs to: its architecture, refined by projector_type and by head fields."""
     if cfg.get("speculators_model_type") is not None:
         raise ConfigError(
-            f"{path}: speculators flat format (speculators_model_type {cfg['speculators_model_type']!r}) is not "
+            f"{path}: speculators flat format (speculators_model_type {shown(cfg['speculators_model_type'])}) is not "
             "supported; convert it to the Hugging Face form with a 'dflash_config' block"
         )
-    archs = cfg.get("architectures") or []
-    if isinstance(archs, str):
-        archs = [archs]
+    archs = _architectures(cfg, path)
     kind = next((DRAFT_ARCHITECTURES[a] for a in archs if a in DRAFT_ARCHITECTURES), None)
     if kind is None:
         hint = " (that is a target model, not a drafter)" if any(a in TARGET_ARCHITECTURES for a in archs) else ""
         raise ConfigError(
-            f"{path}: unknown drafter architecture {archs or 'none given'!r}{hint} "
+            f"{path}: unknown drafter architecture {shown(archs or 'none given')}{hint} "
             f"(supported: {', '.join(DRAFT_ARCHITECTURES)})"
         )
-    projector = dcfg.get("projector_type")
+    projector = _str(dcfg, "projector_type", path, None, label="dflash_config.projector_type")
     if projector is not None:
         if projector not in PROJECTOR_TYPES:
-            raise ConfigError(f"{path}: unsupported dflash_config.projector_type {projector!r} "
+            raise ConfigError(f"{path}: unsupported dflash_config.projector_type {shown(projector)} "
                               f"(supported: {', '.join(PROJECTOR_TYPES)})")
         if kind != "dflash" and PROJECTOR_TYPES[projector] != kind:
-            raise ConfigError(f"{path}: dflash_config.projector_type {projector!r} contradicts architecture "
-                              f"{archs[0]!r}")
+            raise ConfigError(f"{path}: dflash_config.projector_type {shown(projector)} contradicts architecture "
+                              f"{shown(archs[0])}")
         kind = PROJECTOR_TYPES[projector]
     if kind == "dflash":
         # A DFlashDraftModel export carrying DSpark heads is DSpark (Markov / confidence heads exist only there);
@@ -163,7 +172,7 @@ def _draft_kind(cfg: dict, dcfg: dict, path: str) -> str:
 def _draft_heads(cfg: dict, dcfg: dict, path: str, kind: str, hidden: int) -> dict[str, Any]:
     """The DFlash2 / DSpark head settings as DraftConfig fields; anything unsupported is an error, never dropped."""
     out: dict[str, Any] = {}
-    conv = _nested_int(dcfg, cfg, "conv_kernel_size", path)
+    conv = _nested_int(dcfg, cfg, "conv_kernel_size", path, maximum=MAX_BLOCK_SIZE)
     rank = _nested_int(dcfg, cfg, "selector_rank", path)
     markov = _nested_int(dcfg, cfg, "markov_rank", path)
     if kind == "dflash2":
@@ -178,16 +187,17 @@ def _draft_heads(cfg: dict, dcfg: dict, path: str, kind: str, hidden: int) -> di
                 raise ConfigError(f"{path}: conv_group_size {group} does not divide hidden_size {hidden}")
             out.update(conv_kernel_size=conv, conv_group_size=group)
         if rank:
-            top_k = _nested_int(dcfg, cfg, "selector_top_k", path, default=None, minimum=1)
+            top_k = _nested_int(dcfg, cfg, "selector_top_k", path, default=None, minimum=1, maximum=MAX_VOCAB)
             if top_k is None:
                 raise ConfigError(f"{path}: missing field 'dflash_config.selector_top_k' (selector_rank {rank})")
             out.update(selector_rank=rank, selector_top_k=top_k)
     elif conv or rank:
         raise ConfigError(f"{path}: conv_kernel_size / selector_rank (DFlash2 fields) on a {kind} drafter")
     if kind == "dspark":
-        if _one_of(dcfg, cfg, "shift_label") is False:
+        if not _nested_bool(dcfg, cfg, ("shift_label",), path, True):
             raise ConfigError(f"{path}: DSpark with shift_label false is not supported (DSpark rows are shifted)")
-        head_type = str(_one_of(dcfg, cfg, "markov_head_type") or "vanilla").lower()
+        head_type = _str({"t": _one_of(dcfg, cfg, "markov_head_type")}, "t", path, "vanilla",
+                         label=_where(dcfg, "markov_head_type")).lower()
         if markov and head_type != "vanilla":
             raise ConfigError(f"{path}: Markov head type {head_type!r} is not supported (only 'vanilla')")
         confidence = _nested_bool(dcfg, cfg, ("enable_confidence_head", "use_confidence_head"), path, False)
@@ -198,7 +208,8 @@ def _draft_heads(cfg: dict, dcfg: dict, path: str, kind: str, hidden: int) -> di
                    confidence_with_markov=with_markov)
     elif markov:
         raise ConfigError(f"{path}: markov_rank (a DSpark field) on a {kind} drafter")
-    causal = cfg.get("is_causal", dcfg.get("causal"))
+    causal = (_bool(cfg, "is_causal", path, False) if cfg.get("is_causal") is not None
+              else _bool(dcfg, "causal", path, False, label="dflash_config.causal"))
     if causal:
         raise ConfigError(f"{path}: causal drafter attention (is_causal: true) is not supported; the block is "
                           "attended bidirectionally")
@@ -215,12 +226,12 @@ def _layer_windows(cfg: dict, dcfg: dict, path: str, num_layers: int) -> list[in
     acceptance without it (seed_lineage.md), so a window that is asked for and cannot be resolved is an error."""
     swa = None
     if _nested_bool(dcfg, cfg, ("use_swa",), path, default=False):
-        swa = _nested_int(dcfg, cfg, "swa_window_size", path, default=None, minimum=1)
+        swa = _nested_int(dcfg, cfg, "swa_window_size", path, default=None, minimum=1, maximum=MAX_POSITIONS)
         if swa is None:
             raise ConfigError(f"{path}: 'use_swa' is set but 'swa_window_size' is missing")
     layer_types = cfg.get("layer_types") or ["sliding_attention" if swa else "full_attention"] * num_layers
     if not isinstance(layer_types, list) or len(layer_types) != num_layers:
-        n = len(layer_types) if isinstance(layer_types, list) else layer_types
+        n = len(layer_types) if isinstance(layer_types, list) else shown(layer_types)
         raise ConfigError(f"{path}: 'layer_types' has {n} entries, expected {num_layers} (num_hidden_layers)")
     windows = []
     for t in layer_types:
@@ -228,16 +239,38 @@ def _layer_windows(cfg: dict, dcfg: dict, path: str, num_layers: int) -> list[in
             windows.append(0)
         elif t != "sliding_attention":
             raise ConfigError(
-                f"{path}: unknown layer type {t!r} in 'layer_types' (expected full_attention or sliding_attention)"
+                f"{path}: unknown layer type {shown(t)} in 'layer_types' (expected full_attention or sliding_attention)"
             )
         elif swa is None:
-            windows.append(_int(cfg, "sliding_window", path))
+            windows.append(_int(cfg, "sliding_window", path, maximum=MAX_POSITIONS))
         else:
-            model_window = _int(cfg, "sliding_window", path, default=None)
+            model_window = _int(cfg, "sliding_window", path, default=None, maximum=MAX_POSITIONS)
             if model_window is not None and model_window != swa:
                 raise ConfigError(f"{path}: 'swa_window_size' {swa} disagrees with 'sliding_window' {model_window}")
             windows.append(swa)
     return windows
+
+
+def _target_layer_ids(cfg: dict, dcfg: dict, path: str, num_target_layers: int | None,
+                      num_layers: int) -> list[int]:
+    """Explicit, else by the reference's default rule; each a layer index of the target (checked against the
+    target itself in validate_pair)."""
+    layer_ids = _one_of(dcfg, cfg, "target_layer_ids")
+    if layer_ids is None:
+        if num_target_layers is None:
+            raise ConfigError(f"{path}: missing 'dflash_config.target_layer_ids' (and no 'num_target_layers')")
+        layer_ids = default_target_layer_ids(num_target_layers, num_layers)
+    label = _where(dcfg, "target_layer_ids")
+    if (not isinstance(layer_ids, list) or not 0 < len(layer_ids) <= MAX_LAYERS
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in layer_ids)):
+        raise ConfigError(f"{path}: '{label}' should be a non-empty list of at most {MAX_LAYERS} integers, got "
+                          f"{shown(layer_ids)}")
+    depth = num_target_layers or MAX_LAYERS
+    bad = next((i for i in layer_ids if not 0 <= i < depth), None)
+    if bad is not None:
+        known = f"the target's {num_target_layers} layers (num_target_layers)" if num_target_layers else "any target"
+        raise ConfigError(f"{path}: '{label}' entry {bad} is outside {known}")
+    return list(layer_ids)
 
 
 def load_draft_config(model_dir: str | Path) -> DraftConfig:
@@ -246,59 +279,42 @@ def load_draft_config(model_dir: str | Path) -> DraftConfig:
     path = str(model_dir / "config.json")
     dcfg = cfg.get("dflash_config") or {}
     if not isinstance(dcfg, dict):
-        raise ConfigError(f"{path}: field 'dflash_config' should be an object, got {dcfg!r}")
+        raise ConfigError(f"{path}: field 'dflash_config' should be an object, got {shown(dcfg)}")
     kind = _draft_kind(cfg, dcfg, path)
-    hidden = _int(cfg, "hidden_size", path)
-    heads = _int(cfg, "num_attention_heads", path)
-    num_layers = _int(cfg, "num_hidden_layers", path)
+    dims = transformer_dims(cfg, path)
     _check_mlp(cfg, path)
 
     block_size = _int({"block_size": _one_of(dcfg, cfg, "block_size")}, "block_size", path,
-                      default=None, label="block_size")
+                      default=None, label=_where(dcfg, "block_size"), maximum=MAX_BLOCK_SIZE)
     if block_size is None:
         raise ConfigError(f"{path}: missing field 'block_size' (top level or in 'dflash_config')")
+    num_target_layers = _int(cfg, "num_target_layers", path, default=None, maximum=MAX_LAYERS)
+    layer_ids = _target_layer_ids(cfg, dcfg, path, num_target_layers, dims["num_layers"])
 
-    num_target_layers = _int(cfg, "num_target_layers", path, default=None)
-    layer_ids = _one_of(dcfg, cfg, "target_layer_ids")
-    if layer_ids is None:
-        if num_target_layers is None:
-            raise ConfigError(f"{path}: missing 'dflash_config.target_layer_ids' (and no 'num_target_layers')")
-        layer_ids = default_target_layer_ids(num_target_layers, num_layers)
-    if (not isinstance(layer_ids, list) or not layer_ids
-            or not all(isinstance(i, int) and not isinstance(i, bool) for i in layer_ids)):
-        raise ConfigError(f"{path}: 'dflash_config.target_layer_ids' should be a non-empty list of integers, got {layer_ids!r}")
-
+    vocab = _int(cfg, "vocab_size", path, default=None, maximum=MAX_VOCAB)
     mask = _one_of(dcfg, cfg, "mask_token_id")
     if mask is None:
         raise ConfigError(f"{path}: missing field 'dflash_config.mask_token_id'")
-    mask = _int({"m": mask}, "m", path, minimum=0, label="dflash_config.mask_token_id")
+    mask = _int({"m": mask}, "m", path, minimum=0, label=_where(dcfg, "mask_token_id"),
+                maximum=(vocab or MAX_VOCAB) - 1)
+    draft_vocab = _nested_int(dcfg, cfg, "draft_vocab_size", path, default=None, minimum=1,
+                              maximum=vocab or MAX_VOCAB)
 
-    windows = _layer_windows(cfg, dcfg, path, num_layers)
     dc = DraftConfig(
         path=str(model_dir),
         kind=kind,
-        hidden_size=hidden,
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=_int(cfg, "num_key_value_heads", path, default=heads),
-        head_dim=_head_dim(cfg, path, hidden, heads),
-        intermediate_size=_int(cfg, "intermediate_size", path),
-        rms_norm_eps=_float(cfg, "rms_norm_eps", path, 1e-6),
-        rope=parse_rope(cfg, path),
-        max_position_embeddings=_int(cfg, "max_position_embeddings", path, default=0),
-        attention_bias=bool(cfg.get("attention_bias", False)),
+        **dims,
+        max_position_embeddings=_int(cfg, "max_position_embeddings", path, default=0, maximum=MAX_POSITIONS),
+        attention_bias=_bool(cfg, "attention_bias", path, False),
         block_size=block_size,
-        target_layer_ids=list(layer_ids),
+        target_layer_ids=layer_ids,
         mask_token_id=mask,
-        vocab_size=_int(cfg, "vocab_size", path, default=None),
-        layer_windows=windows,
+        vocab_size=vocab,
+        layer_windows=_layer_windows(cfg, dcfg, path, dims["num_layers"]),
         num_target_layers=num_target_layers,
-        draft_vocab_size=_nested_int(dcfg, cfg, "draft_vocab_size", path, default=None, minimum=1),
-        **_draft_heads(cfg, dcfg, path, kind, hidden),
+        draft_vocab_size=None if draft_vocab == vocab else draft_vocab,  # the full vocabulary: nothing to remap
+        **_draft_heads(cfg, dcfg, path, kind, dims["hidden_size"]),
     )
-    if dc.draft_vocab_size is not None and dc.draft_vocab_size == dc.vocab_size:
-        dc.draft_vocab_size = None  # the full vocabulary: nothing to remap
-    _check_heads(dc, path)
     return dc
 
 

@@ -6,6 +6,7 @@ does) and uploaded; every backend's RoPE op only looks them up.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -76,3 +77,10 @@ def rope_tables(rope: RopeConfig, head_dim: int, max_positions: int) -> tuple[np
     if scale != 1.0:
         cos, sin = cos * np.float32(scale), sin * np.float32(scale)
     return cos.astype(np.float32), sin.astype(np.float32)
+
+
+def device_rope_tables(backend: Any, rope: RopeConfig, head_dim: int, max_positions: int) -> tuple[Any, Any]:
+    """rope_tables on the backend (float32), for the positions a run can reach: sized by the serving length
+    (ModelRunner.max_positions), never by the config's max_position_embeddings alone."""
+    cos, sin = rope_tables(rope, head_dim, max_positions)
+    return backend.asarray(cos, "f32"), backend.asarray(sin, "f32")

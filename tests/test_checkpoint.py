@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 import tracemalloc
 from pathlib import Path
@@ -37,11 +38,12 @@ def bf16_round(x: np.ndarray) -> np.ndarray:
 
 
 def memmap_backed(arr: np.ndarray) -> bool:
+    """Whether the array's memory is a file mapping (an mmap behind its chain of views and memoryviews)."""
     base = arr
     while base is not None:
-        if isinstance(base, np.memmap):
+        if isinstance(base, (np.memmap, mmap.mmap)):
             return True
-        base = base.base
+        base = base.obj if isinstance(base, memoryview) else base.base
     return False
 
 
@@ -286,7 +288,8 @@ def test_header_over_100_mib(tmp_path):
     path = write_raw(tmp_path / "model.safetensors", b"{}", header_len=huge)
     with pytest.raises(CheckpointError) as e:
         SafetensorsFile(path)
-    expect_error(e, str(path), str(huge), "limit")
+    msg = expect_error(e, str(path), str(MAX_HEADER_BYTES), "limit")
+    assert str(huge) not in msg  # the field is 8 bytes of whatever the file holds: never shown
     # a length field of 2^64-1 (garbage) is the same fault, not an overflow
     write_raw(path, b"{}", header_len=2**64 - 1)
     with pytest.raises(CheckpointError):
@@ -443,3 +446,77 @@ def test_corrupt_shard_is_named(tmp_path):
 
 def test_errors_are_cudflash_errors():
     assert issubclass(CheckpointError, CudflashError)
+
+
+# ------------------------------------------------------------------- the format's exact layout (spec rules)
+
+def test_space_padding_is_the_only_padding(tmp_path):
+    header = json.dumps({"x": entry("F32", [1], 0, 4)}).encode()
+    write_raw(tmp_path / "model.safetensors", header + b"     ", bytes(4))
+    assert Checkpoint(tmp_path).float32("x") == 0
+    for pad in (b"\n", b"\t", b"\x00", b" x"):
+        path = write_raw(tmp_path / "model.safetensors", header + pad, bytes(4))
+        with pytest.raises(CheckpointError) as e:
+            Checkpoint(tmp_path)
+        expect_error(e, str(path), "corrupt header", "padding")
+
+
+def test_gap_between_tensors(tmp_path):
+    path = write_raw(tmp_path / "model.safetensors", {"a": entry("F32", [1], 0, 4), "b": entry("F32", [1], 6, 10)},
+                     bytes(10))
+    with pytest.raises(CheckpointError) as e:
+        Checkpoint(tmp_path)
+    expect_error(e, str(path), "gap of 2 bytes", "'b'")
+
+
+def test_bytes_after_the_last_tensor(tmp_path):
+    path = write_raw(tmp_path / "model.safetensors", {"a": entry("F32", [1], 0, 4)}, bytes(7))
+    with pytest.raises(CheckpointError) as e:
+        Checkpoint(tmp_path)
+    expect_error(e, str(path), "3 bytes after the last tensor", "cover 4")
+
+
+def test_entry_with_an_extra_field(tmp_path):
+    path = write_raw(tmp_path / "model.safetensors", {"a": {**entry("F32", [1], 0, 4), "scale": 1}}, bytes(4))
+    with pytest.raises(CheckpointError) as e:
+        Checkpoint(tmp_path)
+    expect_error(e, str(path), "'a'", "corrupt header entry", "exactly")
+
+
+@pytest.mark.parametrize("metadata", [{"format": 1}, ["pt"], "pt"])
+def test_metadata_maps_strings_to_strings(tmp_path, metadata):
+    path = write_raw(tmp_path / "model.safetensors", {"__metadata__": metadata, "a": entry("F32", [1], 0, 4)},
+                     bytes(4))
+    with pytest.raises(CheckpointError) as e:
+        Checkpoint(tmp_path)
+    expect_error(e, str(path), "__metadata__", "strings")
+
+
+@pytest.mark.parametrize("dtype", [["F32"], {"F32": 1}, 5, None])
+def test_dtype_that_is_not_a_string(tmp_path, dtype):
+    path = write_raw(tmp_path / "model.safetensors", {"a": {**entry("F32", [1], 0, 4), "dtype": dtype}}, bytes(4))
+    with pytest.raises(CheckpointError) as e:
+        Checkpoint(tmp_path)
+    expect_error(e, str(path), "'a'", "unknown dtype", "of type")
+
+
+def test_names_are_quoted_on_one_line(tmp_path):
+    name = "evil\nname" + "x" * 500
+    path = write_raw(tmp_path / "model.safetensors", {name: entry("F7", [1], 0, 4)}, bytes(4))
+    with pytest.raises(CheckpointError) as e:
+        Checkpoint(tmp_path)
+    msg = expect_error(e, str(path), "'evil\\nname")
+    assert len(msg) < len(str(path)) + 300
+
+
+def test_shrinking_file_is_refused_before_the_read(tmp_path):
+    write_safetensors(tmp_path / "model.safetensors", {"a": np.ones(8, np.float32), "b": np.ones(8, np.float32)},
+                      "F32")
+    sf = SafetensorsFile(tmp_path / "model.safetensors")
+    np.testing.assert_array_equal(sf.array(sf.tensors["a"]), np.ones(8))
+    size = sf.file_size
+    with open(tmp_path / "model.safetensors", "r+b") as f:
+        f.truncate(size - 4)
+    with pytest.raises(CheckpointError) as e:
+        sf.array(sf.tensors["a"])  # even a tensor whose bytes remain: the file is being changed under the map
+    expect_error(e, "shrank", str(size), str(size - 4), "'a'")

@@ -654,3 +654,55 @@ def test_draft_options(tmp_path):
                 {"verify_cost": -0.1}):
         with pytest.raises(ConfigError):
             DraftOptions(**bad)
+
+
+# --------------------------------------------------------------------------- fields as typed data
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("tie_word_embeddings", "false", "true or false"),  # bool("false") is True: never coerced
+    ("attention_bias", 1, "true or false"),
+    ("architectures", [["Qwen3ForCausalLM"]], "list of strings"),
+    ("hidden_act", ["silu"], "should be a string"),
+    ("rms_norm_eps", float("inf"), "finite"),
+    ("num_hidden_layers", 10**6, "<= 1024"),
+    ("vocab_size", 2**40, "<="),
+    ("eos_token_id", [0, "1"], "token id"),
+])
+def test_fields_are_typed_and_bounded(tmp_path, field, value, needle):
+    cfg = target_config(TinyShape())
+    cfg[field] = value
+    target_error(tmp_path, cfg, field, needle)
+
+
+def test_generation_config_ids_are_typed_but_an_unreadable_file_is_ignored(tmp_path):
+    d = write_cfg(tmp_path, target_config(TinyShape(eos_token_id=5)))
+    (d / "generation_config.json").write_text('{"a": ' + "[" * 10_000 + "]" * 10_000 + "}")
+    assert load_target_config(d).eos_token_ids == [5]  # optional file, unreadable: only its extra ids are lost
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": ["7"]}))
+    with pytest.raises(ConfigError) as e:
+        load_target_config(d)
+    expect_error(e, d / "generation_config.json", "eos_token_id")
+
+
+def test_drafter_fields_checked_against_its_own_declarations(tmp_path):
+    cfg = zlab_qwen3_4b_drafter()
+    cfg["dflash_config"]["target_layer_ids"] = [1, 36]
+    draft_error(tmp_path, cfg, "target_layer_ids", "36", "num_target_layers")
+    cfg = zlab_qwen3_4b_drafter()
+    cfg["dflash_config"]["mask_token_id"] = 151936
+    draft_error(tmp_path, cfg, "mask_token_id", "<= 151935")
+    cfg = zlab_qwen3_4b_drafter()
+    cfg["block_size"] = 4096
+    draft_error(tmp_path, cfg, "block_size", "<= 256")
+    cfg = zlab_qwen3_4b_drafter()
+    cfg["dflash_config"]["projector_type"] = ["dflash2"]
+    draft_error(tmp_path, cfg, "projector_type", "string")
+
+
+def test_config_json_linked_from_outside_is_refused(tmp_path):
+    (tmp_path / "elsewhere.json").write_text(json.dumps(target_config(TinyShape())))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(ConfigError) as e:
+        load_target_config(tmp_path / "m")
+    expect_error(e, tmp_path / "m" / "config.json", "symbolic link")

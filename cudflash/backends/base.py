@@ -73,6 +73,8 @@ class Backend(Protocol):
     def asarray(self, x: np.ndarray, dtype: str) -> Any: ...  # dtype: "act" | "f32" | "i32"
     def load(self, dtype: str, raw: np.ndarray) -> Any: ...  # checkpoint tensor (BF16 bits, F16, F32) -> "act"
     def random(self, shape: tuple[int, ...], std: float, seed: int) -> Any: ...  # "act", N(0, std^2), made in place
+    def all_finite(self, x: Any) -> bool: ...  # no NaN / Inf in a loaded tensor (one reduction)
+    def any_nonzero(self, x: Any) -> bool: ...  # some element is not +-0 (one reduction)
     def to_numpy(self, x: Any) -> np.ndarray: ...  # float32 for floating arrays
     def event(self) -> Any: ...  # a timestamp in the backend's stream (a CUDA event on the GPU)
     def elapsed_ms(self, start: Any, end: Any) -> float: ...  # after synchronize()

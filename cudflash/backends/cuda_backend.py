@@ -38,6 +38,12 @@ from cudflash.backends.tuning import CudaTuning, as_tuning
 from cudflash.errors import BackendError
 
 _NORM_VPT = (1, 2, 4, 8, 16)
+# Whole-tensor tests of bf16 bits, each one fused reduction without a temporary: NaN / Inf have every exponent
+# bit set; +-0 has every bit but the sign clear.
+_ANY_NONFINITE = cupy.ReductionKernel("uint16 x", "bool y", "(x & 0x7F80) == 0x7F80", "a || b", "y = a", "false",
+                                      "cudflash_any_nonfinite_bf16")
+_ANY_NONZERO = cupy.ReductionKernel("uint16 x", "bool y", "(x & 0x7FFF) != 0", "a || b", "y = a", "false",
+                                    "cudflash_any_nonzero_bf16")
 _TYPES = ("bf16", "float")
 _NORM_NAMES = tuple(f"rms_norm<{v}, {a}, {x}, {r}>" for v in _NORM_VPT for a in ("false", "true")
                     for x in _TYPES for r in _TYPES)
@@ -120,6 +126,13 @@ class CudaBackend:
         if dtype in ("F16", "F32"):
             return self._to_act(cupy.asarray(raw.view(np.float16 if dtype == "F16" else np.float32)))
         raise BackendError(f"cuda backend: cannot load dtype {dtype} (expected BF16, F16 or F32)")
+
+    def all_finite(self, x: cupy.ndarray) -> bool:
+        """No NaN / Inf in a loaded (bf16) tensor; synchronises."""
+        return not bool(_ANY_NONFINITE(bits(x)))
+
+    def any_nonzero(self, x: cupy.ndarray) -> bool:
+        return bool(_ANY_NONZERO(bits(x)))
 
     def random(self, shape: tuple[int, ...], std: float, seed: int) -> cupy.ndarray:
         """N(0, std^2) bf16 made on the device (synthetic weights), in float32 chunks of at most 64M values so a

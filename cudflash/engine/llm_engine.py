@@ -50,8 +50,18 @@ class LLM:
                  kv_block_size: int = 16, num_kv_blocks: int | None = None, memory_utilization: float = 0.9,
                  enable_prefix_caching: bool = True, progress: bool = False, random_weights: bool = False,
                  draft_options: DraftOptions | dict | None = None, enforce_eager: bool = False,
-                 tuning: CudaTuning | dict | None = None):
+                 tuning: CudaTuning | dict | None = None, max_model_len: int | None = None,
+                 check_weights: bool = True):
         self.target_cfg = load_target_config(target)
+        # The longest prompt + output this LLM serves (vLLM's name); at most the model's own limit.
+        limit = self.target_cfg.max_position_embeddings
+        if max_model_len is not None and (not isinstance(max_model_len, int) or isinstance(max_model_len, bool)
+                                          or not 1 <= max_model_len <= limit):
+            raise ConfigError(f"max_model_len must be an integer in 1..{limit} (the model's max_position_embeddings), "
+                              f"got {max_model_len!r}")
+        self.max_model_len = max_model_len or limit
+        if not isinstance(check_weights, bool):
+            raise ConfigError(f"check_weights must be true or false, got {check_weights!r}")
         self.draft_cfg = load_draft_config(draft) if draft is not None else None
         # Drafting choices (sliding-window override, DSpark confidence cut / adaptive verify): lossless, off by default.
         self.draft_options = DraftOptions(**draft_options) if isinstance(draft_options, dict) else draft_options
@@ -72,7 +82,8 @@ class LLM:
         self.runner = ModelRunner(self.target_cfg, self.draft_cfg, self.backend, max_block_size=self.block_size,
                                   kv_block_size=kv_block_size, num_kv_blocks=num_kv_blocks,
                                   max_num_seqs=max_num_seqs, memory_utilization=memory_utilization,
-                                  progress=progress, random_weights=random_weights)
+                                  progress=progress, random_weights=random_weights, max_model_len=max_model_len,
+                                  check_weights=check_weights)
         self.runner.blocks.enable_prefix_caching = enable_prefix_caching
         proposer = DraftProposer(self.runner, self.draft_options) if self.runner.draft is not None else None
         self.engine = self._make_step(proposer, graphs=self.backend.name == "cuda" and not enforce_eager)
@@ -131,11 +142,12 @@ class LLM:
         """Queue a request; it runs in the next steps alongside the others. Returns its request id."""
         params = params or SamplingParams()
         ids = self._prompt_ids(prompt)
-        limit = self.target_cfg.max_position_embeddings
+        limit = self.max_model_len
         if len(ids) + params.max_tokens > limit:
+            what = "the model's max_position_embeddings" if limit == self.target_cfg.max_position_embeddings \
+                else "max_model_len"
             raise RequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
-                f"max_position_embeddings ({limit})"
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds {what} ({limit})"
             )
         worst = len(ids) + params.max_tokens + self.block_size + 1
         if self.runner.blocks.blocks_for(worst) > self.runner.blocks.num_blocks:

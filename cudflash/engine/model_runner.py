@@ -23,6 +23,7 @@ from cudflash.models.batch import ForwardBatch, KVCache
 from cudflash.models.dflash import DFlashDraftModel
 from cudflash.models.target import TargetModel
 from cudflash.models.weights import RandomWeights, WeightLoader
+from cudflash.rope import device_rope_tables
 
 
 class LoadProgress:
@@ -42,52 +43,64 @@ class LoadProgress:
                   end="\n" if self.done >= self.total else "", file=sys.stderr, flush=True)
 
 
-def _loader(ckpt: Checkpoint, backend: Backend, label: str, progress: bool) -> WeightLoader:
+def _loader(ckpt: Checkpoint, backend: Backend, label: str, progress: bool, check_weights: bool) -> WeightLoader:
     total = sum(ckpt.info(n).nbytes for n in ckpt.names)
-    return WeightLoader(ckpt, backend, progress=LoadProgress(label, total, progress))
+    return WeightLoader(ckpt, backend, progress=LoadProgress(label, total, progress), check_weights=check_weights)
 
 
 class ModelRunner:
     def __init__(self, target_cfg: TargetConfig, draft_cfg: DraftConfig | None, backend: Backend, *,
                  max_block_size: int, kv_block_size: int = 16, num_kv_blocks: int | None = None,
                  max_num_seqs: int = 64, memory_utilization: float = 0.9, progress: bool = False,
-                 random_weights: bool = False):
+                 random_weights: bool = False, max_model_len: int | None = None, check_weights: bool = True):
         self.backend, self.target_cfg, self.draft_cfg = backend, target_cfg, draft_cfg
-        max_positions = target_cfg.max_position_embeddings + max_block_size + 1
+        # The longest prompt + output served; positions reach a draft block (and one pending token) past it.
+        self.max_model_len = max_model_len or target_cfg.max_position_embeddings
+        seq_blocks = -(-(self.max_model_len + max_block_size + 1) // kv_block_size)
         def loader(path: str, label: str) -> WeightLoader | RandomWeights:
             if random_weights:  # synthetic benchmarks: the shapes of a real model, values made on the device
                 return RandomWeights(backend, seed=len(label), untied=not target_cfg.tie_word_embeddings)
-            return _loader(Checkpoint(path), backend, label, progress)
+            return _loader(Checkpoint(path), backend, label, progress, check_weights)
 
-        self.target = TargetModel(target_cfg, loader(target_cfg.path, "target"), backend, max_positions)
+        self.target = TargetModel(target_cfg, loader(target_cfg.path, "target"), backend)
         self.draft: DFlashDraftModel | None = None
         self.tap_layers: list[int] = []
         if draft_cfg is not None:
             self.tap_layers = draft_cfg.target_layer_ids
-            self.draft = DFlashDraftModel(draft_cfg, loader(draft_cfg.path, "drafter"), backend, max_positions,
-                                          len(self.tap_layers))
+            self.draft = DFlashDraftModel(draft_cfg, loader(draft_cfg.path, "drafter"), backend, len(self.tap_layers))
         t, d = target_cfg, draft_cfg
         per_position = t.num_layers * 2 * t.num_kv_heads * t.head_dim
         if d is not None:
             per_position += d.num_layers * 2 * d.num_kv_heads * d.head_dim
         bytes_per_block = per_position * kv_block_size * backend.act_itemsize
         if num_kv_blocks is None:
-            wanted = max_num_seqs * -(-max_positions // kv_block_size)
+            wanted = max_num_seqs * seq_blocks
             budget = int(backend.memory_budget(memory_utilization) // bytes_per_block)
-            if budget < -(-max_positions // kv_block_size):
+            # A max_model_len asked for must fit whole; else sequences are as long as the pool allows.
+            if budget < (seq_blocks if max_model_len else -(-(max_block_size + 3) // kv_block_size)):
                 raise BackendError(
                     f"too little memory for the KV cache: room for {budget} blocks of {kv_block_size} tokens "
                     f"({bytes_per_block / 2**20:.1f} MiB each); raise the memory utilization or free memory"
                 )
             num_kv_blocks = min(wanted, budget)
         self.blocks = BlockManager(num_kv_blocks, kv_block_size)
+        shape = lambda c: (c.num_layers, num_kv_blocks + 1, kv_block_size, c.num_kv_heads, c.head_dim)  # noqa: E731
+        try:
+            self.target_kv = KVCache(backend.zeros(shape(t), "act"), backend.zeros(shape(t), "act"))
+            self.draft_kv = KVCache(backend.zeros(shape(d), "act"), backend.zeros(shape(d), "act")) if d else None
+        except MemoryError:
+            raise BackendError(f"too little memory for a KV cache of {num_kv_blocks} blocks of {kv_block_size} tokens "
+                               f"({num_kv_blocks * bytes_per_block / 2**30:.1f} GiB)") from None
+        # Every position a sequence reaches has a slot in the pool: the RoPE tables need no more rows than that.
+        max_positions = min(self.max_model_len, num_kv_blocks * kv_block_size) + max_block_size + 1
+        for model in (self.target, self.draft):
+            if model is not None:  # [max_positions, D / 2] each
+                model.rope_cos, model.rope_sin = device_rope_tables(backend, model.cfg.rope, model.cfg.head_dim,
+                                                                    max_positions)
         self.max_blocks = -(-max_positions // kv_block_size)  # block-table width of every staged batch
         # One block more than the manager hands out: block `num_kv_blocks` is the dummy that padded rows and unused
         # block-table entries point at (never written: padded rows' slots are -1).
         self.dummy_block = num_kv_blocks
-        shape = lambda c: (c.num_layers, num_kv_blocks + 1, kv_block_size, c.num_kv_heads, c.head_dim)  # noqa: E731
-        self.target_kv = KVCache(backend.zeros(shape(t), "act"), backend.zeros(shape(t), "act"))
-        self.draft_kv = KVCache(backend.zeros(shape(d), "act"), backend.zeros(shape(d), "act")) if d else None
 
     # ---- inputs
     def batch(self, seqs: list[Sequence], ids: list[list[int]], starts: list[int]) -> ForwardBatch:

@@ -31,7 +31,6 @@ from cudflash.models.draft_checkpoint import DraftCheckpoint
 from cudflash.models.draft_heads import CandidateSelector, ConfidenceHead, DynamicConv, MarkovHead
 from cudflash.models.target import TargetModel
 from cudflash.models.weights import RandomWeights, WeightLoader
-from cudflash.rope import rope_tables
 
 
 @dataclass(slots=True)
@@ -51,8 +50,7 @@ class DraftLayer:
 
 
 class DFlashDraftModel:
-    def __init__(self, cfg: DraftConfig, loader: WeightLoader | RandomWeights, backend: Backend, max_positions: int,
-                 num_taps: int):
+    def __init__(self, cfg: DraftConfig, loader: WeightLoader | RandomWeights, backend: Backend, num_taps: int):
         self.cfg, self.b = cfg, backend
         H, D, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         q_dim, kv_dim = cfg.num_heads * D, cfg.num_kv_heads * D
@@ -87,9 +85,9 @@ class DFlashDraftModel:
         # that layer's own K/V weight for the block tokens, so nothing is stored twice.
         self.fused_kv = loader.fused(kv_rows)  # [L * 2 * Hk * D, H]
         self.fused_kv_bias = loader.fused(kv_bias) if cfg.attention_bias else None  # [L * 2 * Hk * D]
-        cos, sin = rope_tables(cfg.rope, D, max_positions)
-        self.rope_cos = backend.asarray(cos, "f32")  # [max_positions, D / 2]
-        self.rope_sin = backend.asarray(sin, "f32")  # [max_positions, D / 2]
+        # Set by the runner once the KV pool, hence the longest sequence, is known (rope.device_rope_tables).
+        self.rope_cos: Any = None  # [max_positions, D / 2] float32
+        self.rope_sin: Any = None  # [max_positions, D / 2] float32
         self.scale = D ** -0.5
         self.kv_dim = kv_dim
 

@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 
 from cudflash.backends.base import Backend
-from cudflash.checkpoint import SafetensorsFile
 from cudflash.draft_config import DraftConfig
 from cudflash.errors import CheckpointError, ConfigError
 from cudflash.models.weights import RandomWeights, WeightLoader
@@ -32,7 +31,7 @@ class _TrackingLoader(WeightLoader):
     """Records every tensor read, so that a tensor nothing reads is reported instead of silently dropped."""
 
     def __init__(self, base: WeightLoader, prefix: str, used: set[str]):
-        super().__init__(base.ckpt, base.backend, prefix, base.progress)
+        super().__init__(base.ckpt, base.backend, prefix, base.progress, base.check_weights)
         self.used = used
 
     def get(self, name: str, shape: tuple[int, ...]) -> Any:
@@ -104,7 +103,7 @@ class DraftCheckpoint:
         if info.dtype not in ("I64", "I32") or info.shape != (draft_vocab,):
             raise CheckpointError(f"{info.file}: tensor '{name}' should be an integer [{draft_vocab}], got "
                                   f"{info.dtype} {list(info.shape)}")
-        target = np.arange(draft_vocab, dtype=np.int64) + SafetensorsFile(info.file).array(info)
+        target = np.arange(draft_vocab, dtype=np.int64) + self.loader.ckpt.array(name)
         if target.min() < 0 or target.max() >= vocab or len(np.unique(target)) != draft_vocab:
             raise CheckpointError(f"{info.file}: tensor '{name}' does not map drafter ids one-to-one onto target ids "
                                   f"0..{vocab - 1} (read as offsets: target id = draft id + d2t)")

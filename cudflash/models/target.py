@@ -13,7 +13,6 @@ from cudflash.backends.base import Backend
 from cudflash.config import TargetConfig
 from cudflash.models.batch import ForwardBatch, KVCache
 from cudflash.models.weights import RandomWeights, WeightLoader
-from cudflash.rope import rope_tables
 
 
 @dataclass(slots=True)
@@ -31,7 +30,7 @@ class TargetLayer:
 
 
 class TargetModel:
-    def __init__(self, cfg: TargetConfig, loader: WeightLoader | RandomWeights, backend: Backend, max_positions: int):
+    def __init__(self, cfg: TargetConfig, loader: WeightLoader | RandomWeights, backend: Backend):
         self.cfg, self.b = cfg, backend
         H, D, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         q_dim, kv_dim = cfg.num_heads * D, cfg.num_kv_heads * D
@@ -62,9 +61,9 @@ class TargetModel:
             self.lm_head = self.embed_tokens  # [V, H], tied
         else:
             self.lm_head = loader.get("lm_head.weight", (cfg.vocab_size, H))  # [V, H]
-        cos, sin = rope_tables(cfg.rope, D, max_positions)
-        self.rope_cos = backend.asarray(cos, "f32")  # [max_positions, D / 2]
-        self.rope_sin = backend.asarray(sin, "f32")  # [max_positions, D / 2]
+        # Set by the runner once the KV pool, hence the longest sequence, is known (rope.device_rope_tables).
+        self.rope_cos: Any = None  # [max_positions, D / 2] float32
+        self.rope_sin: Any = None  # [max_positions, D / 2] float32
         self.scale = D ** -0.5
 
     def embed(self, ids: Any) -> Any:

@@ -1,0 +1,66 @@
+"""The longest sequence an LLM serves: max_position_embeddings, a user's max_model_len, and the KV pool; the RoPE
+tables hold exactly the positions those allow."""
+from __future__ import annotations
+
+import pytest
+
+from cudflash import LLM, SamplingParams
+from cudflash.errors import ConfigError, RequestError
+from cudflash.tiny import TinyShape, write_random_pair
+
+SHAPE = TinyShape(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
+                  intermediate_size=48, target_layer_ids=[0, 1], draft_layers=1, block_size=4,
+                  max_position_embeddings=128)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return write_random_pair(tmp_path_factory.mktemp("pair"), SHAPE)
+
+
+def rows(llm: LLM) -> tuple[int, int]:
+    return llm.runner.target.rope_cos.shape[0], llm.runner.draft.rope_cos.shape[0]
+
+
+def test_tables_cover_max_position_embeddings_when_the_pool_holds_it(pair):
+    llm = LLM(*pair, backend="cpu", num_kv_blocks=64, kv_block_size=16)  # 1024 positions in the pool
+    assert llm.max_model_len == 128
+    assert rows(llm) == (128 + 4 + 1, 128 + 4 + 1)  # a draft block and the pending token past the last token
+
+
+def test_a_small_pool_bounds_the_tables(pair):
+    llm = LLM(*pair, backend="cpu", num_kv_blocks=3, kv_block_size=16)  # 48 positions in all
+    assert rows(llm) == (48 + 4 + 1, 48 + 4 + 1)
+    with pytest.raises(RequestError, match="can never fit the KV pool"):
+        llm.generate([[3] * 40], SamplingParams(max_tokens=8))
+    out = llm.generate([[3] * 30], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8
+
+
+def test_max_model_len_bounds_requests_and_tables(pair):
+    llm = LLM(*pair, backend="cpu", num_kv_blocks=64, max_model_len=40)
+    assert rows(llm) == (40 + 4 + 1, 40 + 4 + 1)
+    with pytest.raises(RequestError, match=r"exceeds max_model_len \(40\)"):
+        llm.generate([[3] * 35], SamplingParams(max_tokens=6))
+    ref = LLM(*pair, backend="cpu", num_kv_blocks=64)
+    p = SamplingParams(max_tokens=5, ignore_eos=True)
+    assert llm.generate([[3] * 35], p)[0].token_ids == ref.generate([[3] * 35], p)[0].token_ids
+
+
+@pytest.mark.parametrize("bad", [0, -1, 129, 1.5, True, "64"])
+def test_bad_max_model_len(pair, bad):
+    with pytest.raises(ConfigError, match="max_model_len must be an integer in 1..128"):
+        LLM(*pair, backend="cpu", num_kv_blocks=8, max_model_len=bad)
+
+
+def test_memory_budget_bounds_the_serving_length(pair, monkeypatch):
+    """Room for 5 blocks of 16 tokens: sequences up to 80 positions, not 128, unless max_model_len asks for more."""
+    from cudflash.backends.numpy_backend import NumpyBackend
+    from cudflash.errors import BackendError
+
+    per_block = 16 * 2 * (SHAPE.num_layers + SHAPE.draft_layers) * SHAPE.num_kv_heads * SHAPE.head_dim * 4
+    monkeypatch.setattr(NumpyBackend, "memory_budget", lambda self, utilization: 5 * per_block)
+    llm = LLM(*pair, backend="cpu")
+    assert llm.runner.blocks.num_blocks == 5 and rows(llm) == (80 + 4 + 1, 80 + 4 + 1)
+    with pytest.raises(BackendError, match="too little memory"):
+        LLM(*pair, backend="cpu", max_model_len=128)
