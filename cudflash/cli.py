@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from cudflash.errors import CudflashError, RequestError
+from cudflash.server.command import add_serve_parser, serve
 
 
 class _Parser(argparse.ArgumentParser):
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="bound every drafter layer's attention to the last N positions")
     bench.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (op by op on the GPU)")
     bench.add_argument("--json", type=Path, metavar="FILE", help="write the numbers as JSON too")
+    add_serve_parser(sub)
     return parser
 
 
@@ -159,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
             from cudflash.bench import run_bench
 
             print(run_bench(args))
+        elif args.command == "serve":
+            serve(args)
     except CudflashError as e:
         _fail(str(e))
     except KeyboardInterrupt:
