@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 openai = pytest.importorskip("openai", reason="the server tests need `pip install openai` (the test extra)")
+pytest.importorskip("starlette", reason="the server needs `pip install cudflash[serve]`")
 uvicorn = pytest.importorskip("uvicorn", reason="the server needs `pip install cudflash[serve]`")
 
 from cudflash import LLM, SamplingParams  # noqa: E402
@@ -374,3 +375,15 @@ def test_serve_checks_its_options_before_loading(tmp_path):
                            timeout=60)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert r.stderr.strip().splitlines()[-1].startswith("cudflash: error: ") and needle in r.stderr
+
+
+def test_a_model_without_a_chat_template_still_serves_completions(tiny_pair):
+    server = RunningServer(build_app(LLM(tiny_pair / "target", backend="cpu"), model_name=MODEL))
+    try:
+        r = request(server.url, "POST", "/v1/chat/completions", CHAT)
+        assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+        r = request(server.url, "POST", "/v1/completions", {**COMPLETION, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert server.metrics()["cudflash_acceptance_length"] == 1.0  # plain decoding: one token per step
+    finally:
+        server.close()
