@@ -365,6 +365,9 @@ def test_overload_answers_429_then_serves_again(guarded):
         time.sleep(0.05)
     out = call(client.completions.create, model=MODEL, prompt="x", max_tokens=3, ignore_eos=True)
     assert out.usage.completion_tokens == 3
+    # more choices than the server could ever hold at once: 400, since retrying would not help
+    r = request(guarded.url, "POST", "/v1/completions", {**COMPLETION, "n": 3}, {"Authorization": "Bearer sekret"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
 
 
 def test_serve_checks_its_options_before_loading(tmp_path):

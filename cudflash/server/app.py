@@ -219,6 +219,9 @@ class OpenAIServer:
         queue: asyncio.Queue = asyncio.Queue()
         handles = [RequestHandle(ids, self._params(req, len(ids), c), p * req.n + c, queue)
                    for p, ids in enumerate(prompts) for c in range(req.n)]
+        if len(handles) > self.engine.capacity:  # could never be admitted: retrying would not help
+            raise APIError(400, f"{len(prompts)} prompt(s) x n={req.n} choices exceed the server's capacity of "
+                                f"{self.engine.capacity} requests", "n")
         try:
             self.engine.submit(handles)
         except Overloaded as e:
