@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from cudflash.errors import CudflashError, RequestError
+from cudflash.server.command import add_serve_parser, serve
 
 
 class _Parser(argparse.ArgumentParser):
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tune", action="append", default=[], metavar="NAME=VALUE",
                        help="set a field of the CUDA backend's tuning (cudflash/backends/tuning.py), e.g. "
                             "stream_gemm_prefill_stages=1, pdl=0, kernel_dir=DIR; repeatable, for A/B runs of one tree")
+    add_serve_parser(sub)
     return parser
 
 
@@ -163,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
             from cudflash.bench import run_bench
 
             print(run_bench(args, parse_tuning(args.tune)))  # a bad --tune fails before anything loads
+        elif args.command == "serve":
+            serve(args)
     except CudflashError as e:
         _fail(str(e))
     except KeyboardInterrupt:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,21 @@ def tiny_pair() -> Path:
         if (place / "golden_dev.jsonl").is_file():
             return place.resolve()
     pytest.skip("../shared/models/tiny-code-pair is absent")
+
+
+# ChatML-like, with the tiny pair's one special token as the end of a turn.
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{{ eos_token }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def chat_target(tiny_pair: Path, tmp_path_factory) -> Path:
+    """A copy of the tiny pair's target with a chat template in its tokenizer_config.json (the pair has none)."""
+    target = tmp_path_factory.mktemp("chat") / "target"
+    shutil.copytree(tiny_pair / "target", target)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TINY_CHAT_TEMPLATE}))
+    return target
 
 
 @pytest.fixture(scope="session")

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Iterator, Sequence as Seq
 
 from cudflash.backends import CudaTuning, get_backend
+from cudflash.chat import ChatTemplate, load_chat_template, validate_messages, validate_tools
 from cudflash.config import load_target_config
 from cudflash.draft_config import DraftOptions, apply_draft_options, load_draft_config, validate_pair
 from cudflash.engine.model_runner import ModelRunner
@@ -273,3 +275,42 @@ class LLM:
         text = seq.text if self.tokenizer is not None else None
         return GenerationResult(seq.prompt_ids, list(seq.output_ids), text, seq.finish_reason or "length",
                                 list(seq.acceptance_lengths))
+
+    # ---- chat (templates and message checks: cudflash/chat.py)
+    @cached_property
+    def chat_template(self) -> ChatTemplate | None:
+        """The target folder's chat template (None when it has none), read on first use."""
+        return load_chat_template(self.target_cfg.path)
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            chat_template_kwargs: dict | None = None, *, documents: list[dict] | None = None,
+                            add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+        """One conversation rendered by the model's chat template, as prompt token ids."""
+        if self.tokenizer is None:
+            raise RequestError(f"chat needs a tokenizer: {self.target_cfg.path} has no tokenizer.json "
+                               "(or `pip install tokenizers` is missing)")
+        if self.chat_template is None:
+            raise ConfigError(f"{self.target_cfg.path}: the model has no chat template (no 'chat_template' in "
+                              "tokenizer_config.json, no chat_template.jinja); give plain prompts instead")
+        kwargs = chat_template_kwargs or {}
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise RequestError("chat_template_kwargs: expected an object with string keys")
+        text = self.chat_template.render(validate_messages(messages), validate_tools(tools), documents,
+                                         add_generation_prompt, continue_final_message, kwargs)
+        return self.tokenizer.encode(text)  # the template wrote the special tokens; none are added
+
+    def chat(self, messages_or_conversations: list[dict] | list[list[dict]],
+             params: SamplingParams | Seq[SamplingParams] | None = None, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[GenerationResult]:
+        """Generate the assistant's reply to one conversation (a list of messages) or to several (a list of such
+        lists); one result per conversation. Generation stops at the model's end-of-turn ids."""
+        convs = messages_or_conversations
+        if isinstance(convs, (list, tuple)) and convs and all(isinstance(c, (list, tuple)) for c in convs):
+            conversations = list(convs)
+        elif isinstance(convs, (list, tuple)) and convs and all(isinstance(m, dict) for m in convs):
+            conversations = [convs]
+        else:
+            raise RequestError("chat: expected a conversation (a non-empty list of message objects) or a "
+                               "non-empty list of conversations")
+        prompts = [self.apply_chat_template(c, tools, chat_template_kwargs) for c in conversations]
+        return self.generate(prompts, params)
