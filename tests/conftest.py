@@ -1,15 +1,55 @@
+"""Shared fixtures and helpers; and the BLAS thread pin, which must run before numpy is first imported."""
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
+import os
+import statistics
+import sys
 
-import numpy as np
-import pytest
+# One BLAS thread for the whole suite (subprocesses inherit it): the CPU tests are many small GEMMs, where a
+# thread pool costs more than it gains and threads compete with each other on a small CI machine. The variables
+# are read once, when numpy loads its BLAS, so they are set here, before this file imports numpy; a value already
+# in the environment wins (to compare, run with OPENBLAS_NUM_THREADS=2).
+BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
+                         "VECLIB_MAXIMUM_THREADS")
+_numpy_was_loaded = "numpy" in sys.modules  # by a pytest plugin: then only threadpoolctl can still pin it
+for _name in BLAS_THREAD_VARIABLES:
+    os.environ.setdefault(_name, "1")
+
+import json  # noqa: E402
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 from cudflash.engine.sequence import Sequence
 from cudflash.errors import CudflashError
 from cudflash.sampling_params import SamplingParams
+
+try:
+    import threadpoolctl
+except ImportError:  # optional: it only reports the pin, or applies it when a plugin loaded numpy first
+    threadpoolctl = None
+
+_blas_limit = None  # held for the session when the environment came too late
+if _numpy_was_loaded:
+    if threadpoolctl is None:
+        import warnings
+
+        warnings.warn("numpy was imported before tests/conftest.py and threadpoolctl is not installed: "
+                      "BLAS runs with its default thread count", stacklevel=1)
+    else:
+        _blas_limit = threadpoolctl.threadpool_limits(limits=int(os.environ["OPENBLAS_NUM_THREADS"]),
+                                                      user_api="blas")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if threadpoolctl is None:
+        return f"BLAS threads: OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']}"
+    pools = ", ".join(f"{p['internal_api']} {p['num_threads']}" for p in threadpoolctl.threadpool_info()
+                      if p["user_api"] == "blas")
+    return f"BLAS threads: {pools or 'no BLAS found'}"
+
 
 ROOT = Path(__file__).resolve().parents[1]
 # The shared tiny pair beside the checkout; a copy in .cache/ where ../shared does not travel (the GPU machine).
@@ -42,6 +82,11 @@ def chat_target(tiny_pair: Path, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def goldens(tiny_pair: Path) -> list[dict]:
     return [json.loads(line) for line in (tiny_pair / "golden_dev.jsonl").read_text().splitlines()]
+
+
+def golden_tau(goldens: list[dict]) -> float:
+    """The pair's tau as the goldens define it: the mean over prompts of each prompt's mean acceptance length."""
+    return statistics.mean(statistics.mean(g["acceptance_lengths"]) for g in goldens)
 
 
 def last_logits(llm, ids: list[int]) -> np.ndarray:

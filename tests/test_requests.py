@@ -70,11 +70,10 @@ def test_same_seed_same_sample(llm):
 
 
 def test_import_is_light():
-    code = ("import sys, time; t = time.perf_counter(); import cudflash; dt = time.perf_counter() - t; "
-            "print(dt, 'cupy' in sys.modules, 'torch' in sys.modules)")
+    """`import cudflash` loads neither CuPy (only the cuda backend does) nor torch (never)."""
+    code = "import sys, cudflash; print('cupy' in sys.modules, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert float(out[0]) < 1.0
-    assert out[1:] == ["False", "False"]
+    assert out == ["False", "False"]
 
 
 def test_request_that_can_never_fit_the_pool(tmp_path):

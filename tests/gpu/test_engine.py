@@ -8,7 +8,7 @@ import pytest
 
 from cudflash import LLM, SamplingParams
 from cudflash.engine.sequence import Sequence
-from tests.conftest import last_logits, top2_relative_gap
+from tests.conftest import golden_tau, last_logits, top2_relative_gap
 
 MAX_NEW = 128
 
@@ -75,14 +75,14 @@ def test_goldens_on_the_gpu(tiny_pair, gpu_pair, cpu_pair, goldens):
     params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
     spec = gpu_pair.generate(prompts, params)
     ar = LLM(tiny_pair / "target", backend="cuda").generate(prompts, params)
-    tau = statistics.mean(o.tau for o in spec)
-    print(f"gpu tau {tau:.4f} (golden 2.595)")
+    tau, expected_tau = statistics.mean(o.tau for o in spec), golden_tau(goldens)
+    print(f"gpu tau {tau:.4f} (golden {expected_tau:.4f})")
     ar_exact = _report("ar vs golden", [o.token_ids for o in ar], [g["ar_ids"] for g in goldens], prompts, cpu_pair)
     spec_exact = _report("spec vs golden", [o.token_ids for o in spec], [g["spec_ids"] for g in goldens], prompts,
                          cpu_pair)
     self_exact = _report("spec vs gpu ar", [o.token_ids for o in spec], [o.token_ids for o in ar], prompts, cpu_pair)
     assert ar_exact >= 30 and spec_exact >= 30 and self_exact >= 30
-    assert abs(tau - 2.595) / 2.595 < 0.02, tau
+    assert abs(tau - expected_tau) / expected_tau < 0.02, tau
 
 
 @pytest.fixture(scope="module")
