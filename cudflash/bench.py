@@ -52,16 +52,17 @@ class BatchResult:
     block: int
     prefill_ms: float  # all prompts of the batch (= time to first token at batch 1)
     ar_step_ms: float
-    propose_ms: float
-    verify_ms: float
-    accept_ms: float
-    spec_step_ms: float
-    tau: float  # measured (real checkpoints) or projected (synthetic)
+    # The speculative figures are None when the bench times plain decoding (a target without a drafter).
+    propose_ms: float | None
+    verify_ms: float | None
+    accept_ms: float | None
+    spec_step_ms: float | None
+    tau: float | None  # measured (real checkpoints) or projected (synthetic)
     tau_measured: bool
     ar_tokens_per_s: float
-    spec_tokens_per_s: float
-    verify_gb_per_s: float
-    propose_gb_per_s: float
+    spec_tokens_per_s: float | None
+    verify_gb_per_s: float | None
+    propose_gb_per_s: float | None
     ar_gb_per_s: float
     gpu: dict[str, Any] = field(default_factory=dict)
 
@@ -169,21 +170,28 @@ def bench_batch(llm: LLM, batch: int, prompt_len: int, steps: int, warmup: int, 
         b.synchronize()
         return timer
 
-    spec_timer = run(llm.block_size)
+    spec_timer = run(llm.block_size) if llm.speculative else None  # None: plain decoding only (no drafter)
     accepted = [a for s in seqs for a in s.acceptance_lengths[-steps:]]
     ar_timer = run(1)
     for i in ids:
         llm.abort(i)
         llm.requests.pop(i)
+    ar_ms, target_bytes = ar_timer.mean_ms("start", "accept"), weight_bytes(runner.target)
+    if spec_timer is None:
+        return BatchResult(batch=batch, prompt_len=prompt_len, block=1, prefill_ms=prefill_ms, ar_step_ms=ar_ms,
+                           propose_ms=None, verify_ms=None, accept_ms=None, spec_step_ms=None, tau=None,
+                           tau_measured=False, ar_tokens_per_s=batch / ar_ms * 1e3, spec_tokens_per_s=None,
+                           verify_gb_per_s=None, propose_gb_per_s=None, ar_gb_per_s=target_bytes / ar_ms / 1e6,
+                           gpu=gpu_readings())
     tau = statistics.mean(accepted) if measured_tau else PROJECTED_TAU
     # A step runs from the event before it to the event after its accept. Plain decoding queues each next step
     # before it waits (cuda_graph.StepGraphs.decode), so the device passes both events only as the step queued in
     # front of them completes: the AR time is then the interval between two step completions, which is what a user
     # gets per token, any idle device time included.
-    spec_ms, ar_ms = spec_timer.mean_ms("start", "accept"), ar_timer.mean_ms("start", "accept")
+    spec_ms = spec_timer.mean_ms("start", "accept")
     propose_ms = spec_timer.mean_ms("start", "propose")
     verify_ms = spec_timer.mean_ms("propose", "verify")
-    target_bytes, draft_bytes = weight_bytes(runner.target), weight_bytes(runner.draft)
+    draft_bytes = weight_bytes(runner.draft)
     lm_head_bytes = int(runner.target.lm_head.nbytes)
     return BatchResult(
         batch=batch, prompt_len=prompt_len, block=llm.block_size, prefill_ms=prefill_ms, ar_step_ms=ar_ms,
@@ -199,12 +207,16 @@ def format_table(results: list[BatchResult], copy_gb_s: float | None) -> str:
     head = (f"{'batch':>5} {'prompt':>6} {'prefill':>9} {'AR step':>8} {'propose':>8} {'verify':>8} {'accept':>7} "
             f"{'spec step':>9} {'tau':>9} {'AR tok/s':>9} {'spec tok/s':>10} {'verify GB/s':>11} {'% copy':>6}")
     lines = [head, "-" * len(head)]
+    def cell(x: float | None, width: int, unit: str = "", digits: int = 2) -> str:
+        return f"{'-':>{width + len(unit)}}" if x is None else f"{x:>{width}.{digits}f}{unit}"
+
     for r in results:
-        pct = f"{100 * r.verify_gb_per_s / copy_gb_s:5.0f}%" if copy_gb_s else "     -"
-        tau = f"{r.tau:.2f}" + ("" if r.tau_measured else " proj")
+        pct = f"{100 * r.verify_gb_per_s / copy_gb_s:5.0f}%" if copy_gb_s and r.verify_gb_per_s else "     -"
+        tau = "-" if r.tau is None else f"{r.tau:.2f}" + ("" if r.tau_measured else " proj")
         lines.append(f"{r.batch:>5} {r.prompt_len:>6} {r.prefill_ms:>7.2f}ms {r.ar_step_ms:>6.2f}ms "
-                     f"{r.propose_ms:>6.2f}ms {r.verify_ms:>6.2f}ms {r.accept_ms:>5.2f}ms {r.spec_step_ms:>7.2f}ms "
-                     f"{tau:>9} {r.ar_tokens_per_s:>9.1f} {r.spec_tokens_per_s:>10.1f} {r.verify_gb_per_s:>11.1f} {pct}")
+                     f"{cell(r.propose_ms, 6, 'ms')} {cell(r.verify_ms, 6, 'ms')} {cell(r.accept_ms, 5, 'ms')} "
+                     f"{cell(r.spec_step_ms, 7, 'ms')} {tau:>9} {r.ar_tokens_per_s:>9.1f} "
+                     f"{cell(r.spec_tokens_per_s, 10, digits=1)} {cell(r.verify_gb_per_s, 11, digits=1)} {pct}")
     if copy_gb_s:
         lines.append(f"measured device copy bandwidth: {copy_gb_s:.0f} GB/s (read + write)")
     for r in results:  # NVML, read right after each batch's timed steps
@@ -212,7 +224,7 @@ def format_table(results: list[BatchResult], copy_gb_s: float | None) -> str:
         if g:
             lines.append(f"batch {r.batch}: {g.get('name', 'GPU')} at {g['power_w']:.0f} W, SM clock {g['sm_clock_mhz']} "
                          f"MHz, {g['memory_used_gib']:.1f} GiB in use")
-    if results and not results[0].tau_measured:
+    if results and results[0].tau is not None and not results[0].tau_measured:
         lines.append(f"synthetic weights: spec tok/s is a projection at tau {PROJECTED_TAU} (batch x tau / step time)")
     return "\n".join(lines)
 
@@ -236,7 +248,7 @@ def run_bench(args, tuning: CudaTuning | None = None) -> str:
     changed = tuning.changed()  # an A/B run says what it changed
     if args.json is not None:
         Path(args.json).write_text(json.dumps({"backend": llm.backend.name, "model": args.synthetic or str(target),
-                                               "drafter": args.drafter if synthetic else str(draft),
+                                               "drafter": args.drafter if synthetic else draft and str(draft),
                                                "copy_gb_per_s": copy, "tuning": changed,
                                                "results": [asdict(r) for r in results]}, indent=2))
     table = format_table(results, copy)

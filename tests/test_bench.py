@@ -61,10 +61,19 @@ def test_bench_with_a_real_pair_measures_tau(tiny_pair, tmp_path):
     assert x["tau_measured"] and 1.0 <= x["tau"] <= 16.0
 
 
-def test_bench_target_needs_a_drafter(tiny_pair):
-    r = subprocess.run([sys.executable, "-m", "cudflash", "bench", "--target", str(tiny_pair / "target")],
-                       capture_output=True, text=True)
-    assert r.returncode == 2 and r.stderr.strip().endswith("cudflash: error: bench --target needs --draft")
+def test_bench_target_alone_times_plain_decoding(tiny_pair, tmp_path, capsys):
+    from cudflash.cli import main
+
+    out = tmp_path / "bench.json"
+    main(["bench", "--target", str(tiny_pair / "target"), "--backend", "cpu", "--prompt-len", "16", "--new", "2",
+          "--warmup", "1", "--batch", "1,2", "--json", str(out)])
+    table = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["drafter"] is None and [x["batch"] for x in data["results"]] == [1, 2]
+    for x in data["results"]:
+        assert x["block"] == 1 and x["ar_step_ms"] > 0 and x["ar_tokens_per_s"] == x["batch"] / x["ar_step_ms"] * 1e3
+        assert x["spec_step_ms"] is None and x["tau"] is None and x["spec_tokens_per_s"] is None
+    assert "projection" not in table and len(table.strip().splitlines()) == 4  # head, rule, one row per batch
 
 
 def test_table_prints_the_nvml_readings_it_writes():

@@ -1,4 +1,6 @@
-"""`cudflash generate`: the JSON-lines contract, the summary line, and one-line errors with exit code 2."""
+"""`cudflash generate`: the JSON-lines contract, streaming, per-line sampling fields, progress and summary lines,
+results written as they finish, and one-line errors with exit code 2 before the model loads (in-process through
+`cudflash.cli.main`; a few through a subprocess, as a user runs it)."""
 from __future__ import annotations
 
 import json
@@ -8,6 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from cudflash import LLM, SamplingParams, __version__
+from cudflash.cli import main
+from cudflash.engine import llm_engine
+from cudflash.engine.spec_decode import SpeculativeStep
 from cudflash.tiny import TinyShape, write_random_pair
 
 
@@ -15,9 +21,35 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "cudflash", "generate", *args], capture_output=True, text=True)
 
 
+def cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """Run the command in-process: (exit code, stdout, stderr)."""
+    try:
+        main(list(argv))
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, out: str, err: str, *needles: str) -> str:
+    assert code == 2, err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cudflash: error: "), err
+    assert "Traceback" not in err and out == ""
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    return write_random_pair(tmp_path_factory.mktemp("pair"), TinyShape())
+    return write_random_pair(tmp_path_factory.mktemp("pair"), TinyShape(max_position_embeddings=256))
+
+
+@pytest.fixture(scope="module")
+def plain_llm(pair):
+    return LLM(pair[0], backend="cpu")
 
 
 def test_prompts_file_in_order_with_per_prompt_lengths(pair, tmp_path):
@@ -39,15 +71,102 @@ def test_prompts_file_in_order_with_per_prompt_lengths(pair, tmp_path):
         assert word in summary
 
 
-def test_text_prompt_with_tokenizer(tiny_pair):
-    r = run_cli("--target", str(tiny_pair / "target"), "--draft", str(tiny_pair / "drafter"), "--prompt",
-                "import numpy as np", "--max-new-tokens", "5", "--backend", "cpu")
-    assert r.returncode == 0, r.stderr
-    row = json.loads(r.stdout)
-    assert isinstance(row["text"], str) and len(row["token_ids"]) <= 5
+def test_version(capsys):
+    code, out, err = cli(capsys, "--version")
+    assert code == 0 and out.strip() == f"cudflash {__version__}"
+    r = subprocess.run([sys.executable, "-m", "cudflash", "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == f"cudflash {__version__}"
 
 
-@pytest.mark.parametrize("args, message", [
+def test_plain_decoding_reports_no_tau(pair, plain_llm, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [5, 6, 7]}\n{"prompt_ids": [8]}\n')
+    code, out, err = cli(capsys, "generate", "--target", str(pair[0]), "--prompts", str(prompts), "--backend", "cpu",
+                         "--max-new-tokens", "4", "--ignore-eos", "--progress-interval", "0")
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    expected = plain_llm.generate([[5, 6, 7], [8]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert rows == [{"token_ids": e.token_ids, "text": None, "finish_reason": "length"} for e in expected]
+    assert "tau" not in err
+    assert err.splitlines()[-1].startswith("requests 2  new tokens 8  ")
+    progress = [line for line in err.splitlines() if line.startswith("progress: ")]
+    assert progress and "\rprogress" not in err  # stderr is not a terminal here: plain lines
+    assert all("requests done" in line and "tokens/s" in line for line in progress)
+
+
+def test_per_line_sampling_fields_match_the_api(pair, tmp_path, capsys):
+    target, draft = pair
+    lines = [
+        {"prompt_ids": [5, 6, 7], "temperature": 0.8, "seed": 3, "top_k": 20, "max_new_tokens": 9,
+         "ignore_eos": True},
+        {"prompt_ids": [5, 6, 7], "temperature": 0.8, "seed": -4, "top_p": 0.9, "ignore_eos": True},
+        {"prompt_ids": [9, 10], "stop_token_ids": [11, 12]},
+        {"prompt_ids": [9, 10]},
+    ]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "out.jsonl"
+    code, _, err = cli(capsys, "generate", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts),
+                       "--output", str(out), "--backend", "cpu", "--max-new-tokens", "6", "--stop-token-ids", "200,201",
+                       "202")
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    llm = LLM(target, draft=draft, backend="cpu")
+    defaults = dict(max_tokens=6, stop_token_ids=[200, 201, 202])
+    fields = {"max_new_tokens": "max_tokens"}
+    for row, line in zip(rows, lines, strict=True):
+        own = {fields.get(k, k): v for k, v in line.items() if k != "prompt_ids"}
+        expected = llm.generate([line["prompt_ids"]], SamplingParams(**{**defaults, **own}))[0]
+        assert row["token_ids"] == expected.token_ids and row["finish_reason"] == expected.finish_reason
+    assert len(rows[0]["token_ids"]) == 9 and len(rows[1]["token_ids"]) == 6
+
+
+def test_stream_stop_strings_and_text(tiny_pair, tmp_path, capsys):
+    target, draft = tiny_pair / "target", tiny_pair / "drafter"
+    llm = LLM(target, draft=draft, backend="cpu")
+    prompts = ["def add(a, b):", "import numpy as np", "class Stack:"]
+    free = llm.generate(prompts, SamplingParams(max_tokens=16))
+    stop = free[1].text[6:9]
+    out = tmp_path / "out.jsonl"
+    code, stdout, err = cli(capsys, "generate", "--target", str(target), "--draft", str(draft), "--prompt", *prompts,
+                            "--max-new-tokens", "16", "--stop", stop, "--stop", "\x00", "--stream", "--output",
+                            str(out), "--backend", "cpu")
+    assert code == 0, err
+    expected = llm.generate(prompts, SamplingParams(max_tokens=16, stop=[stop, "\x00"]))
+    assert expected[1].finish_reason == "stop"
+    assert stdout == "".join(e.text + "\n" for e in expected)  # in input order, each text then a newline
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["text"] for r in rows] == [e.text for e in expected]
+    assert [r["token_ids"] for r in rows] == [e.token_ids for e in expected]
+
+
+def test_results_are_written_as_requests_finish(pair, tmp_path, capsys, monkeypatch):
+    """An interrupt keeps every line already finished (in input order), and exits 130."""
+    target, _ = pair
+    lines = [{"prompt_ids": [5], "max_new_tokens": 1}, {"prompt_ids": [6], "max_new_tokens": 2},
+             {"prompt_ids": [7], "max_new_tokens": 60}, {"prompt_ids": [8], "max_new_tokens": 1}]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "out.jsonl"
+    args = ["generate", "--target", str(target), "--prompts", str(prompts), "--output", str(out), "--ignore-eos",
+            "--backend", "cpu"]
+    assert cli(capsys, *args)[0] == 0
+    full = out.read_text().splitlines()
+    real, calls = SpeculativeStep.run, []
+
+    def interrupted(*a, **k):
+        calls.append(1)
+        if len(calls) == 10:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(SpeculativeStep, "run", interrupted)
+    code, _, err = cli(capsys, *args)
+    assert code == 130 and "Traceback" not in err
+    assert out.read_text().splitlines() == full[:2]  # request 3 finished too, but waits for the long request 2
+
+
+ERROR_CASES = [
     (["--target", "/no/such/dir", "--prompt", "x"], "/no/such/dir: not a directory"),
     (["--prompt", "x"], "the following arguments are required: --target"),
     (["--target", "{target}"], "no prompts"),
@@ -58,20 +177,63 @@ def test_text_prompt_with_tokenizer(tiny_pair):
     (["--target", "{target}", "--prompts", "{ids}", "--block-size", "4"], "needs a drafter"),
     (["--target", "{target}", "--prompts", "{ids}", "--backend", "tpu"], "invalid choice"),
     (["--target", "{draft}", "--prompts", "{ids}"], "unknown target architecture"),
-])
-def test_errors_are_one_line_with_exit_code_2(pair, tmp_path, args, message):
+    (["--target", "{target}", "--prompts", "{ids}", "--stream"], "--stream needs a tokenizer"),
+    (["--target", "{target}", "--prompts", "{ids}", "--output", "{tmp}"], "cannot write"),
+    (["--target", "{target}", "--prompts", "{ids}", "--output", "{tmp}/no/such/out.jsonl"], "cannot write"),
+    (["--target", "{target}", "--prompts", "{ids}", "--output", "{ids}"], "is the prompts file"),
+    (["--target", "{target}", "--prompts", "{tmp}/missing.jsonl"], "missing.jsonl: cannot read"),
+    (["--target", "{target}", "--prompts", "{tmp}"], "cannot read"),
+    (["--target", "{target}", "--prompts", "{ids}", "--foo"], "unrecognized arguments: --foo"),
+    (["--target", "{target}", "--prompt", "\udcff"], "--prompt: not valid UTF-8"),
+    (["--target", "{target}", "--prompts", "{ids}", "--stop", ""], "--stop"),
+    (["--target", "{target}", "--prompts", "{ids}", "--stop", "x"], "stop strings need a tokenizer"),
+    (["--target", "{target}", "--prompts", "{ids}", "--stop-token-ids", "256"], "stop_token_ids"),
+    (["--target", "{target}", "--prompts", "{ids}", "--draft-window", "4"], "draft options need a drafter"),
+    (["--target", "{target}", "--prompts", "{long}"], "max_position_embeddings"),
+]
+
+
+@pytest.fixture
+def files(pair, tmp_path):
     target, draft = pair
-    files = {"bad": "{not json", "empty_ids": '{"prompt_ids": []}', "ids": '{"prompt_ids": [3]}'}
-    paths = {}
-    for name, text in files.items():
+    texts = {"bad": "{not json", "empty_ids": '{"prompt_ids": []}', "ids": '{"prompt_ids": [3]}',
+             "long": json.dumps({"prompt_ids": [3] * 250})}
+    paths = {"target": target, "draft": draft, "tmp": tmp_path}
+    for name, text in texts.items():
         paths[name] = tmp_path / f"{name}.jsonl"
         paths[name].write_text(text + "\n")
-    args = [a.format(target=target, draft=draft, **paths) for a in args]
-    r = run_cli(*args)
-    assert r.returncode == 2
-    last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("cudflash: error: ") and message in last, r.stderr
-    assert "Traceback" not in r.stderr
+    return paths
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Every error below must come before the weights load."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the error was found")
+    monkeypatch.setattr(llm_engine, "ModelRunner", refuse)
+
+
+@pytest.mark.parametrize("args, message", ERROR_CASES, ids=[m for _, m in ERROR_CASES])
+def test_errors_are_one_line_with_exit_code_2(files, no_model_load, capsys, args, message):
+    code, out, err = cli(capsys, "generate", *[a.format(**files) for a in args])
+    assert_one_line_error(code, out, err, message)
+
+
+def test_errors_through_a_subprocess(files):
+    r = run_cli("--target", str(files["target"]), "--prompts", str(files["ids"]), "--seed", "9" * 5000)
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
+    assert r.stderr.splitlines() == ["cudflash: error: argument --seed: an integer of 5000 digits is out of range"]
+    r = subprocess.run([sys.executable, "-m", "cudflash"], capture_output=True, text=True)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and r.stderr.startswith("cudflash: error: ")
+
+
+def test_text_prompt_with_tokenizer(tiny_pair, capsys):
+    code, out, err = cli(capsys, "generate", "--target", str(tiny_pair / "target"), "--draft",
+                         str(tiny_pair / "drafter"), "--prompt", "import numpy as np", "--max-new-tokens", "5",
+                         "--backend", "cpu")
+    assert code == 0, err
+    row = json.loads(out)
+    assert isinstance(row["text"], str) and len(row["token_ids"]) <= 5
 
 
 def test_example_runs_on_a_fresh_checkout(tmp_path):

@@ -364,8 +364,8 @@ def test_cli_draft_options(tmp_path):
 
     def run(paths, *args):
         return subprocess.run([sys.executable, "-m", "cudflash", "generate", "--target", str(paths[0]), "--draft",
-                               str(paths[1]), "--prompt", "x", "--backend", "cpu", "--ignore-eos", "--max-new-tokens",
-                               "8", *args], capture_output=True, text=True)
+                               str(paths[1]), "--prompts", str(prompts), "--backend", "cpu", "--ignore-eos",
+                               "--max-new-tokens", "8", *args], capture_output=True, text=True)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt_ids": [5, 6, 7, 8]}\n')
     base = subprocess.run([sys.executable, "-m", "cudflash", "generate", "--target", str(dspark[0]), "--prompts",

@@ -60,7 +60,7 @@ def test_text_round_trip(spec_outputs):
     llm, _ = spec_outputs
     out = llm.generate(["def add(a, b):\n    return"], SamplingParams(max_tokens=8, ignore_eos=True))[0]
     assert isinstance(out.text, str) and out.text == llm.tokenizer.decode(out.token_ids)
-    assert llm.tokenizer.encode("def add(a, b):") == llm._prompt_ids("def add(a, b):")
+    assert llm.tokenizer.encode("def add(a, b):") == llm.admission.prompt_ids("def add(a, b):")
 
 
 def test_incremental_detokenization_equals_decoding_everything(target_llm):

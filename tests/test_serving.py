@@ -163,3 +163,92 @@ def test_finished_streams_and_results_are_forgotten(pair):
     list(llm.stream([5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True)))
     llm.generate([[8, 9]], SamplingParams(max_tokens=3, ignore_eos=True))
     assert llm.requests == {} and not llm.has_unfinished()
+
+
+def _interleave(llm, prompts, params, expected, rng, texts=None):
+    """Consume every request through a stream or a generate call, in a random order of actions: open a stream,
+    pull from one, run a generate over some other requests, step the engine directly, or close a stream early.
+    Each stream's concatenated deltas equal the request's solo output (a prefix, for one closed early)."""
+    pending = list(rng.permutation(len(prompts)))
+    streams: dict[int, tuple] = {}  # index -> (stream, tokens so far, text so far)
+    while pending or streams:
+        action = rng.choice(["open", "next", "next", "next", "generate", "step", "close"])
+        if action == "open" and pending:
+            i = pending.pop()
+            streams[i] = (llm.stream(prompts[i], params[i]), [], [])
+        elif action == "next" and streams:
+            i = list(streams)[int(rng.integers(len(streams)))]
+            stream, tokens, text = streams[i]
+            out = next(stream)
+            tokens += out.new_token_ids
+            text.append(out.new_text or "")
+            if out.finished:
+                assert tokens == expected[i] and next(stream, None) is None
+                if texts is not None:
+                    assert "".join(text) == texts[i]
+                del streams[i]
+        elif action == "generate" and pending:
+            chosen = [pending.pop() for _ in range(min(len(pending), int(rng.integers(1, 3))))]
+            outs = llm.generate([prompts[i] for i in chosen], [params[i] for i in chosen])
+            assert [o.token_ids for o in outs] == [expected[i] for i in chosen]
+            if texts is not None:
+                assert [o.text for o in outs] == [texts[i] for i in chosen]
+        elif action == "step":
+            llm.step()
+        elif action == "close" and streams and rng.random() < 0.3:
+            i = list(streams)[int(rng.integers(len(streams)))]
+            stream, tokens, _ = streams.pop(i)
+            stream.close()
+            assert tokens == expected[i][:len(tokens)]
+            pending.append(i)  # run it again later, from the start
+    assert not llm.requests and not llm.has_unfinished()
+    assert llm.runner.blocks.num_free == llm.runner.blocks.num_blocks
+
+
+def test_streams_and_generate_interleave_in_any_order(pair):
+    """Seeded random schedules of many open streams and generate calls on one LLM (a pool small enough to
+    preempt): every token of every request is delivered exactly once."""
+    target, draft = pair
+    prompts = _prompts(6, seed=11, hi=24)
+    rng = np.random.default_rng(5)
+    params = [SamplingParams(max_tokens=int(rng.integers(4, 16)), temperature=0.0 if i % 3 else 0.8, seed=i,
+                             ignore_eos=True) for i in range(len(prompts))]
+    solo = LLM(target, draft=draft, backend="cpu", kv_block_size=8)
+    expected = [solo.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
+    llm = LLM(target, draft=draft, backend="cpu", kv_block_size=8, num_kv_blocks=12, max_num_seqs=6)
+    for schedule in range(8):
+        _interleave(llm, prompts, params, expected, np.random.default_rng(schedule))
+    assert llm.scheduler.num_preemptions > 0
+
+
+def test_interleaved_streams_deliver_text_with_stop_strings_once(golden_llm, goldens):
+    """Text too: a stream holds back what could still start a stop string, so its deltas add up to the final
+    text (never to text a stop string later cuts), whoever steps the engine."""
+    prompts = [g["prompt_ids"] for g in goldens[:3]]
+    texts_free = [golden_llm.tokenizer.decode(g["spec_ids"][:24]) for g in goldens[:3]]
+    params = [SamplingParams(max_tokens=24, stop=[t[10:14], "\x00never"]) for t in texts_free]
+    solo = [golden_llm.generate([p], sp)[0] for p, sp in zip(prompts, params)]
+    assert all(o.finish_reason == "stop" for o in solo)
+    for schedule in range(3):
+        _interleave(golden_llm, prompts, params, [o.token_ids for o in solo], np.random.default_rng(schedule),
+                    texts=[o.text for o in solo])
+
+
+def test_stream_holds_back_text_a_stop_string_may_still_cut(golden_llm, goldens):
+    """A stop string that starts in one step's text and ends in the next: the first step must not have shown
+    its start, so the deltas add up to the final text, and the stop string never appears in them."""
+    prompt = goldens[2]["prompt_ids"]
+    free = SamplingParams(max_tokens=40, ignore_eos=True)
+    chunks = [c.new_text for c in golden_llm.stream(prompt, free)]
+    text = "".join(chunks)
+    stop = None
+    for i in range(len(chunks) - 1):
+        end = len("".join(chunks[:i + 1]))
+        candidate = text[end - 2:end + 2]
+        if len(chunks[i]) >= 2 and len(chunks[i + 1]) >= 2 and text.find(candidate) == end - 2:
+            stop = candidate
+            break
+    assert stop is not None
+    params = SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop])
+    deltas = [c.new_text for c in golden_llm.stream(prompt, params)]
+    assert "".join(deltas) == text[:text.find(stop)] == golden_llm.generate([prompt], params)[0].text

@@ -6,18 +6,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Iterator, Sequence as Seq
+from typing import Sequence as Seq
 
+import numpy as np
+
+from cudflash import validate
 from cudflash.backends import CudaTuning, get_backend
 from cudflash.chat import ChatTemplate, load_chat_template, validate_messages, validate_tools
 from cudflash.config import load_target_config
 from cudflash.draft_config import DraftOptions, apply_draft_options, load_draft_config, validate_pair
+from cudflash.engine.admission import Admission, is_token_ids
 from cudflash.engine.model_runner import ModelRunner
 from cudflash.engine.scheduler import Scheduler
-from cudflash.engine.sequence import Sequence, SequenceStatus
+from cudflash.engine.sequence import Sequence, SequenceStatus, StepMark
 from cudflash.engine.propose import DraftProposer, Proposer
 from cudflash.engine.spec_decode import SpeculativeStep, StepPhases
 from cudflash.errors import ConfigError, RequestError
+from cudflash.hub import resolve_model
 from cudflash.sampling_params import SamplingParams
 from cudflash.tokenizer import load_tokenizer
 
@@ -27,7 +32,7 @@ class GenerationResult:
     prompt_ids: list[int]
     token_ids: list[int]  # new tokens only
     text: str | None
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort" | "error" (a step failed: see LLM.step)
     acceptance_lengths: list[int] = field(default_factory=list)  # per step: accepted drafts + 1
 
     @property
@@ -54,6 +59,9 @@ class LLM:
                  draft_options: DraftOptions | dict | None = None, enforce_eager: bool = False,
                  tuning: CudaTuning | dict | None = None, max_model_len: int | None = None,
                  check_weights: bool = True):
+        # A local folder, or a Hugging Face model id ("Org/Name": the local cache first, else a download).
+        target = resolve_model(target, "target")
+        draft = resolve_model(draft, "draft") if draft is not None else None
         self.target_cfg = load_target_config(target)
         # The longest prompt + output this LLM serves (vLLM's name); at most the model's own limit.
         limit = self.target_cfg.max_position_embeddings
@@ -65,6 +73,7 @@ class LLM:
         if not isinstance(check_weights, bool):
             raise ConfigError(f"check_weights must be true or false, got {check_weights!r}")
         self.draft_cfg = load_draft_config(draft) if draft is not None else None
+        self.tokenizer = load_tokenizer(target)
         # Drafting choices (sliding-window override, DSpark confidence cut / adaptive verify): lossless, off by default.
         self.draft_options = DraftOptions(**draft_options) if isinstance(draft_options, dict) else draft_options
         if self.draft_options is not None and self.draft_cfg is None:
@@ -93,9 +102,11 @@ class LLM:
         ahead = self.engine.graphs is not None and self.engine.graphs.pipeline and self.block_size == 1
         self.scheduler = Scheduler(self.runner.blocks, self.block_size, max_num_seqs, max_num_batched_tokens,
                                    lookahead=self.block_size + (1 if ahead else 0))
-        self.tokenizer = load_tokenizer(target)
         self.eos_token_ids = set(self.target_cfg.eos_token_ids)
-        self.requests: dict[int, Sequence] = {}
+        self.admission = Admission(self.target_cfg, self.tokenizer, self.scheduler.lookahead, self.runner.blocks,
+                                   self.max_model_len)
+        self.requests: dict[int, Sequence] = {}  # every request added and not yet forgotten (result / stream end)
+        self._abandoned: list[Sequence] = []  # requests of streams dropped unclosed, aborted at the next safe point
         self._next_id = 0
 
     def _make_step(self, proposer: Proposer | None, graphs: bool) -> SpeculativeStep:
@@ -122,58 +133,57 @@ class LLM:
         self.engine.set_proposer(proposer)
 
     # ---- requests
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError(
-                    f"text prompt given but no tokenizer is available for {self.target_cfg.path} "
-                    "(needs tokenizer.json and `pip install tokenizers`); pass token ids instead"
-                )
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(i) for i in prompt]
-        if not ids:
-            raise RequestError("empty prompt")
-        vocab = self.target_cfg.vocab_size
-        bad = next((i for i in ids if not 0 <= i < vocab), None)
-        if bad is not None:
-            raise RequestError(f"prompt token id {bad} outside the vocabulary (0..{vocab - 1})")
-        return ids
-
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
-        """Queue a request; it runs in the next steps alongside the others. Returns its request id."""
-        params = params or SamplingParams()
-        ids = self._prompt_ids(prompt)
-        limit = self.max_model_len
-        if len(ids) + params.max_tokens > limit:
-            what = "the model's max_position_embeddings" if limit == self.target_cfg.max_position_embeddings \
-                else "max_model_len"
-            raise RequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds {what} ({limit})"
-            )
-        worst = len(ids) + params.max_tokens + self.block_size + 1
-        if self.runner.blocks.blocks_for(worst) > self.runner.blocks.num_blocks:
-            raise RequestError(f"request of {len(ids)} + {params.max_tokens} tokens can never fit the KV pool "
-                               f"({self.runner.blocks.num_blocks} blocks of {self.runner.blocks.block_size})")
-        if params.stop and self.tokenizer is None:
-            raise RequestError("stop strings need a tokenizer (tokenizer.json and `pip install tokenizers`)")
+        """Queue a request; it runs in the next steps alongside the others. Returns its request id. Every check
+        happens here (cudflash.engine.admission): a request that is queued never makes a step raise."""
+        ids, params = self.admission.admit(prompt, params)
+        return self._queue(ids, params).seq_id
+
+    def _queue(self, ids: list[int], params: SamplingParams) -> Sequence:
+        self._reap_abandoned()
         seq = Sequence(self._next_id, ids, params)
         self._next_id += 1
         self.requests[seq.seq_id] = seq
         self.scheduler.add(seq)
-        return seq.seq_id
+        return seq
 
     def abort(self, request_id: int) -> None:
-        seq = self.requests.get(request_id)
-        if seq is not None and not seq.finished:
+        """Finish a request with reason "abort" and free its KV blocks at once; a no-op for a finished or unknown
+        id (a stream's request may have ended on its own)."""
+        seq = self.requests.get(self._request_id(request_id))
+        if seq is not None:
+            self._abort(seq)
+
+    def _abort(self, seq: Sequence) -> None:
+        if not seq.finished:
             self.scheduler.remove(seq)
             self._finish(seq, "abort")
+
+    def _reap_abandoned(self) -> None:
+        """Abort the requests of streams dropped unclosed (a finaliser only queues them here: it may run at any
+        point, inside a step included, where changing the scheduler would not be safe)."""
+        while self._abandoned:
+            seq = self._abandoned.pop()
+            self._abort(seq)
+            self.requests.pop(seq.seq_id, None)
+
+    @staticmethod
+    def _request_id(request_id: object) -> int:
+        return validate.integer(request_id, "request_id", what="a request id (an integer from add_request)")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
     # ---- stepping
     def step(self) -> list[RequestOutput]:
+        """One engine step: the new tokens (and text) of every request it advanced.
+
+        If the step raises, no request is left half-stepped: each one the step touched is put back as it was
+        before it (tokens, text, random stream) with its KV dropped, then, for an error (an Exception), finished
+        with reason "error", or, for an interruption (KeyboardInterrupt and other BaseExceptions), queued again
+        to recompute its history: it resumes exactly where it was. The exception propagates.
+        """
+        self._reap_abandoned()
         plan = self.scheduler.schedule()
         while plan.empty and self.scheduler.running:
             # Every running sequence is stuck prefilling on a full pool: free the youngest for the others.
@@ -182,20 +192,44 @@ class LLM:
         if plan.empty:
             return []
         touched = [s for s, _ in plan.prefills] + plan.decodes
-        before = {s.seq_id: len(s.output_ids) for s in touched}
-        self.engine.run(plan, self.block_size)
-        outputs = []
-        for s in touched:
-            n = before[s.seq_id]
-            if len(s.output_ids) == n:
-                continue  # a prefill chunk that emitted nothing yet
-            text_before = s.text
-            self._check_finished(s, n)
-            outputs.append(RequestOutput(s.seq_id, s.output_ids[n:], s.text[len(text_before):]
-                                         if self.tokenizer else None, s.finished, s.finish_reason))
-            if s.finished:
-                self.scheduler.remove(s)
+        marks = {s.seq_id: s.mark() for s in touched}
+        outputs: list[RequestOutput] = []
+        done: set[int] = set()
+        try:
+            self.engine.run(plan, self.block_size)
+            for s in touched:
+                out = self._collect(s, marks[s.seq_id].num_output)
+                if out is not None:
+                    outputs.append(out)
+                done.add(s.seq_id)
+        except BaseException as e:
+            self._recover([s for s in touched if s.seq_id not in done], marks, failed=isinstance(e, Exception))
+            raise
         return outputs
+
+    def _collect(self, seq: Sequence, first_new: int) -> RequestOutput | None:
+        """After a step: finish checks, text, and this step's output for the sequence (None: a prefill chunk
+        that emitted nothing yet)."""
+        if len(seq.output_ids) == first_new:
+            return None
+        visible = seq.text_visible
+        self._check_finished(seq, first_new)
+        if seq.finished:
+            self.scheduler.remove(seq)
+        return RequestOutput(seq.seq_id, seq.output_ids[first_new:],
+                             seq.text[visible:seq.text_visible] if self.tokenizer else None,
+                             seq.finished, seq.finish_reason)
+
+    def _recover(self, seqs: list[Sequence], marks: dict[int, StepMark], failed: bool) -> None:
+        """Undo a failed step for `seqs` (see `step`); the oldest requeued sequence ends first in line."""
+        for s in sorted(seqs, key=lambda s: s.seq_id, reverse=True):
+            s.restore(marks[s.seq_id])
+            self.scheduler.remove(s)  # frees its blocks; num_cached = 0
+            if failed:
+                self._finish(s, "error")
+            else:
+                s.status = SequenceStatus.WAITING
+                self.scheduler.waiting.appendleft(s)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
@@ -218,63 +252,96 @@ class LLM:
             self._detokenize(seq, first_new)
 
     def _detokenize(self, seq: Sequence, first_new: int) -> None:
-        """Extend seq.text by this step's tokens (decoding a short window, not the whole output), then cut at a
-        stop string if one appeared."""
+        """Extend seq.text by this step's tokens (decoding a short window, not the whole output), cut it at the
+        first stop string that appeared, and move the visible end (Sequence.text_visible)."""
         delta, *offsets = self.tokenizer.decode_delta(seq.output_ids, *seq.detok_offsets, final=seq.finished)
         seq.detok_offsets = tuple(offsets)
         text = seq.text + delta
-        for stop in seq.params.stop:
-            at = text.find(stop, max(0, len(seq.text) - len(stop)))
-            if at != -1:
-                # Keep the fewest tokens whose text reaches the stop string; the stop string is not output.
-                m = next(m for m in range(first_new + 1, len(seq.output_ids) + 1)
-                         if stop in self.tokenizer.decode(seq.output_ids[:m]))
-                del seq.output_ids[m:]
-                text = text[:at]
-                self._finish(seq, "stop")
-                break
+        found = [(at, stop) for stop in seq.params.stop
+                 if (at := text.find(stop, max(0, len(seq.text) - len(stop)))) != -1]
+        if found:
+            at, stop = min(found)
+            # Keep the fewest tokens whose text reaches the stop string; the stop string is not output.
+            m = next((m for m in range(first_new + 1, len(seq.output_ids) + 1)
+                      if stop in self.tokenizer.decode(seq.output_ids[:m])), len(seq.output_ids))
+            del seq.output_ids[m:]
+            text = text[:at]
+            self._finish(seq, "stop")
         seq.text = text
+        # Held back until more text shows it cannot start a stop string; a stop string is only ever found ending
+        # in new text, so the cut above never reaches below the visible end.
+        hold = 0 if seq.finished else max(map(len, seq.params.stop), default=1) - 1
+        seq.text_visible = max(seq.text_visible, len(text) - hold)
 
     # ---- convenience
-    def generate(self, prompts: Seq[str | list[int]] | str,
+    def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None) -> list[GenerationResult]:
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise RequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        ids: list[int] = []
-        try:
-            for p, sp in zip(prompts, params):
-                ids.append(self.add_request(p, sp))
-        except Exception:  # a bad request: none of this call's requests may stay queued
-            for i in ids:
-                self.abort(i)
-                self.requests.pop(i)
-            raise
-        while any(not self.requests[i].finished for i in ids):
-            self.step()
-        return [self.result(i) for i in ids]
+        """Run prompts to completion, alongside whatever else is queued; results in the order of `prompts`.
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield each step's new tokens (and text delta) for one request; closing the iterator aborts it."""
-        request_id = self.add_request(prompt, params)
+        `prompts` is one prompt (a str, or a list of token ids) or a list of them; `params` one SamplingParams
+        for all, or a list with one per prompt. Every request is checked before any is queued. If the call is
+        interrupted or a step fails, its own requests are aborted and forgotten before the exception propagates.
+        """
+        batch = self._admit_batch(prompts, params)
+        seqs = [self._queue(ids, sp) for ids, sp in batch]
         try:
-            while not self.requests[request_id].finished:
-                for out in self.step():
-                    if out.request_id == request_id:
-                        yield out
-        finally:
-            self.abort(request_id)
-            self.requests.pop(request_id)
+            while not all(s.finished for s in seqs):
+                self.step()
+        except BaseException:
+            for s in seqs:
+                self._abort(s)
+                self.requests.pop(s.seq_id, None)
+            raise
+        return [self.result(s.seq_id) for s in seqs]
+
+    def _admit_batch(self, prompts: object, params: object) -> list[tuple[list[int], SamplingParams]]:
+        single = params is None or isinstance(params, SamplingParams)
+        if isinstance(prompts, str) or is_token_ids(prompts):
+            prompts = [prompts]
+        elif isinstance(prompts, np.ndarray):
+            raise RequestError("prompts: an array must be 1-D integer token ids of one prompt, got "
+                               f"{prompts.ndim}-D {prompts.dtype}")
+        prompts = validate.sequence(prompts, "prompts", "a str, a list of token ids, or a list of those")
+        if single:
+            params = [params] * len(prompts)
+        else:
+            params = validate.sequence(params, "params", "a SamplingParams or a list of them (one per prompt)")
+            if len(params) != len(prompts):
+                raise RequestError(f"params: {len(prompts)} prompts but {len(params)} sampling params")
+        return [self.admission.admit(p, sp, f"prompts[{i}]", "params" if single else f"params[{i}]")
+                for i, (p, sp) in enumerate(zip(prompts, params))]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> RequestStream:
+        """An iterator of RequestOutputs for one request: every token (and text delta) exactly once, whoever
+        steps the engine meanwhile; the last one has `finished` set. Checked and queued now; closing the iterator
+        (or leaving a `with` block) aborts the request."""
+        ids, params = self.admission.admit(prompt, params)
+        return RequestStream(self, self._queue(ids, params))
+
+    def _drain(self, seq: Sequence) -> RequestOutput | None:
+        """What the request's own consumer has not been given yet; None when there is nothing new."""
+        text_end = seq.text_visible if self.tokenizer is not None else 0
+        if seq.tokens_delivered == len(seq.output_ids) and seq.text_delivered == text_end and \
+                (seq.end_delivered or not seq.finished):
+            return None
+        out = RequestOutput(seq.seq_id, seq.output_ids[seq.tokens_delivered:],
+                            seq.text[seq.text_delivered:text_end] if self.tokenizer is not None else None,
+                            seq.finished, seq.finish_reason)
+        seq.tokens_delivered, seq.text_delivered, seq.end_delivered = len(seq.output_ids), text_end, seq.finished
+        return out
 
     def result(self, request_id: int) -> GenerationResult:
         """The finished request's output; it is forgotten afterwards (call once per add_request)."""
-        seq = self.requests.pop(request_id)
-        text = seq.text if self.tokenizer is not None else None
-        return GenerationResult(seq.prompt_ids, list(seq.output_ids), text, seq.finish_reason or "length",
-                                list(seq.acceptance_lengths))
+        seq = self.requests.get(self._request_id(request_id))
+        if seq is None:
+            raise RequestError(f"request_id {validate.describe(request_id)}: no such request (never added, or its "
+                               "result was already taken)")
+        if not seq.finished:
+            raise RequestError(f"request_id {seq.seq_id} is not finished yet: step() until it is, or abort() it")
+        del self.requests[seq.seq_id]
+        return GenerationResult(seq.prompt_ids, list(seq.output_ids), seq.text if self.tokenizer is not None else None,
+                                seq.finish_reason, list(seq.acceptance_lengths))
+
 
     # ---- chat (templates and message checks: cudflash/chat.py)
     @cached_property
@@ -314,3 +381,44 @@ class LLM:
                                "non-empty list of conversations")
         prompts = [self.apply_chat_template(c, tools, chat_template_kwargs) for c in conversations]
         return self.generate(prompts, params)
+
+
+class RequestStream:
+    """`LLM.stream`'s iterator. Dropping it unclosed aborts its request at the engine's next safe point."""
+
+    def __init__(self, llm: LLM, seq: Sequence):
+        self.llm, self.seq, self.closed = llm, seq, False
+
+    @property
+    def request_id(self) -> int:
+        return self.seq.seq_id
+
+    def __iter__(self) -> RequestStream:
+        return self
+
+    def __next__(self) -> RequestOutput:
+        while not self.closed:
+            out = self.llm._drain(self.seq)
+            if out is not None:
+                if out.finished:
+                    self.close()
+                return out
+            self.llm.step()
+        raise StopIteration
+
+    def close(self) -> None:
+        """Abort the request (if still running) and forget it."""
+        if not self.closed:
+            self.closed = True
+            self.llm._abort(self.seq)
+            self.llm.requests.pop(self.seq.seq_id, None)
+
+    def __enter__(self) -> RequestStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "closed", True):
+            self.llm._abandoned.append(self.seq)

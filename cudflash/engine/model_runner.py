@@ -116,7 +116,7 @@ class ModelRunner:
         return self.target.forward(batch, self.target_kv, self.tap_layers if with_taps and self.tap_layers else None)
 
     def draft_context(self, taps: Any, batch: ForwardBatch, rows: np.ndarray | None = None) -> None:
-        """Feed the taps of the batch rows `rows` (newly committed tokens; all rows if None) to the drafter."""
+        """Feed the taps of the batch rows `rows` (all rows if None) to the drafter's context cache."""
         b, positions, slots = self.backend, batch.positions, batch.slots
         if rows is not None:
             index = b.asarray(rows, "i32")

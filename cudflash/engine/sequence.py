@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import NamedTuple
 
 import numpy as np
 
@@ -12,6 +13,19 @@ class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
     FINISHED = auto()
+
+
+class StepMark(NamedTuple):
+    """A sequence's request-level state before a step (Sequence.mark / restore)."""
+
+    num_output: int
+    num_steps: int
+    text: str
+    detok_offsets: tuple[int, int]
+    text_visible: int
+    rng_state: dict | None  # None for greedy requests: their steps draw nothing
+    status: SequenceStatus
+    finish_reason: str | None
 
 
 @dataclass(eq=False)
@@ -42,11 +56,34 @@ class Sequence:
     finish_reason: str | None = None
     text: str = ""  # detokenised output so far (when a tokenizer is present)
     detok_offsets: tuple[int, int] = (0, 0)  # (window start, tokens already in `text`) for incremental decoding
+    # Characters of `text` that outputs may show: all of it once finished, else all but the last (longest stop
+    # string - 1), which could still turn out to start a stop string and be cut. Never decreases.
+    text_visible: int = 0
+    # What this request's own consumer (its stream) has been given: the outputs it has not yet been given are
+    # output_ids[tokens_delivered:] and text[text_delivered:text_visible], whoever stepped the engine.
+    tokens_delivered: int = 0
+    text_delivered: int = 0
+    end_delivered: bool = False
     rng: np.random.Generator = field(default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         if self.rng is None:
-            self.rng = np.random.default_rng(self.params.seed)
+            self.rng = np.random.default_rng(self.params.rng_seed)
+
+    def mark(self) -> StepMark:
+        """The request-level state an engine step changes, to put back if the step fails (see `restore`)."""
+        return StepMark(len(self.output_ids), len(self.acceptance_lengths), self.text, self.detok_offsets,
+                        self.text_visible, None if self.params.greedy else self.rng.bit_generator.state,
+                        self.status, self.finish_reason)
+
+    def restore(self, mark: StepMark) -> None:
+        """Undo what a failed step did to this request's tokens, text and random stream (its KV is dropped
+        separately: the caller frees its blocks)."""
+        del self.output_ids[mark.num_output:], self.acceptance_lengths[mark.num_steps:]
+        self.text, self.detok_offsets, self.text_visible = mark.text, mark.detok_offsets, mark.text_visible
+        self.status, self.finish_reason = mark.status, mark.finish_reason
+        if mark.rng_state is not None:
+            self.rng.bit_generator.state = mark.rng_state
 
     @property
     def token_ids(self) -> list[int]:

@@ -95,8 +95,7 @@ class StepPhases:
     def verify(self, inp: StepTensors, speculative: bool) -> tuple[Any, Any, Any]:
         """(argmax int32 [R], float32 logits [R, V], taps [T, K H] or None) of the scored rows."""
         r = self.runner
-        hidden, taps = r.target.forward(inp.verify_batch(self.b), r.target_kv,
-                                        r.tap_layers if speculative and r.tap_layers else None)
+        hidden, taps = r.target_forward(inp.verify_batch(self.b), with_taps=speculative)
         if inp.score_rows is not None:
             hidden = self.b.take_rows(hidden, inp.score_rows)
         logits = r.target.logits(hidden)
@@ -104,7 +103,7 @@ class StepPhases:
 
     def commit_context(self, inp: StepTensors, taps: Any) -> None:
         """The drafter's context from every row of the target forward (the rule in the module docstring)."""
-        self.runner.draft.update_context(taps, inp.positions, inp.slots, self.runner.draft_kv)
+        self.runner.draft_context(taps, inp.verify_batch(self.b))
 
 
 class Executor(Protocol):

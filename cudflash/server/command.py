@@ -9,8 +9,7 @@ from pathlib import Path
 from cudflash.errors import CudflashError, RequestError
 
 
-def add_serve_parser(sub) -> None:
-    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs `pip install cudflash[serve]`)")
+def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--target", required=True, help="target model directory (Hugging Face format)")
     s.add_argument("--draft", help="drafter directory; without it, plain autoregressive decoding")
     s.add_argument("--host", default="127.0.0.1")
