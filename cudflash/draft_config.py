@@ -73,6 +73,9 @@ class DraftConfig:
     draft_vocab_size: int | None = None  # smaller drafter vocabulary: own lm_head + d2t remap (None = target's)
 
 
+MAX_TREE_BUDGET = 256  # nodes per tree: the drafter's top-k per position is at most this (and the CUDA top-k's 128)
+
+
 @dataclass(slots=True)
 class DraftOptions:
     """Run-time drafting choices. None changes what is generated: verification keeps every one lossless."""
@@ -82,6 +85,7 @@ class DraftOptions:
     confidence_threshold: float = 0.0  # DSpark: cut each draft at its first row with confidence below this (0 = off)
     adaptive: bool = False  # DSpark: pick verify lengths from cumulative confidence against the batch's verify cost
     verify_cost: float = 0.05  # adaptive: cost of one verified token, relative to the fixed cost of a step
+    tree_budget: int | None = None  # verify a draft tree of at most this many nodes per step (engine/tree.py)
 
     def __post_init__(self) -> None:
         if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
@@ -94,6 +98,12 @@ class DraftOptions:
             raise ConfigError(f"confidence threshold must be in [0, 1), got {self.confidence_threshold}")
         if not self.verify_cost >= 0.0:
             raise ConfigError(f"verify cost must be >= 0, got {self.verify_cost}")
+        if self.tree_budget is not None and (isinstance(self.tree_budget, bool) or not isinstance(self.tree_budget, int)
+                                             or not 1 <= self.tree_budget <= MAX_TREE_BUDGET):
+            raise ConfigError(f"tree budget must be an integer in 1..{MAX_TREE_BUDGET}, got {self.tree_budget!r}")
+        if self.tree_budget is not None and self.uses_confidence:
+            raise ConfigError("a tree budget and DSpark's confidence cuts do not combine (a tree already chooses "
+                              "what to verify)")
 
     @property
     def uses_confidence(self) -> bool:
@@ -328,6 +338,9 @@ def apply_draft_options(dc: DraftConfig, opts: DraftOptions) -> DraftConfig:
     if opts.context_window is not None:  # the tighter of the layer's own window and the bound
         cw = opts.context_window
         dc = replace(dc, layer_windows=[min(w, cw) if w else cw for w in dc.layer_windows])
+    if opts.tree_budget is not None and (dc.kind == "dspark" or dc.markov_rank or dc.shifted_rows):
+        raise ConfigError(f"{dc.path}/config.json: tree verification takes DFlash and DFlash2 drafters; this is a "
+                          f"{dc.kind} drafter (its Markov walk drafts one path)")
     if opts.uses_confidence and not dc.confidence_head:
         raise ConfigError(f"{dc.path}/config.json: a confidence threshold or adaptive verify needs a drafter with a "
                           f"confidence head (this {dc.kind} drafter has none)")

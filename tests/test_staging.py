@@ -9,16 +9,21 @@ import pytest
 
 from cudflash.backends.numpy_backend import NumpyBackend
 from cudflash.engine.step_inputs import Chunk, StepTensors, chunk_slots, fill, layout_for
+from cudflash.engine.tree import DraftTree, ancestor_masks, pack_bits
 
 BS, MASK, DUMMY, MAX_BLOCKS = 16, 7, 999, 12
 
 
-def reference(chunks: list[Chunk], decodes: int, q: int, score_rows: list[int]) -> tuple[np.ndarray, int]:
+def reference(chunks: list[Chunk], decodes: int, q: int, score_rows: list[int],
+              words: int = 0) -> tuple[np.ndarray, int]:
     ids, positions, slots, ctx, cu, tables = [], [], [], [], [0], np.full((len(chunks), MAX_BLOCKS), DUMMY, np.int32)
-    for i, (seq, start, tokens) in enumerate(chunks):
-        pos = np.arange(start, start + len(tokens))
+    tree_seq, masks = [], []
+    for i, (seq, start, tokens, rows_at, mask) in enumerate(chunks):
+        pos = np.arange(start, start + len(tokens))  # the slots' positions
         ids.append(np.asarray(tokens))
-        positions.append(pos)
+        positions.append(pos if rows_at is None else np.asarray(rows_at))
+        tree_seq.append(int(mask is not None))
+        masks.append(mask if mask is not None else np.zeros((len(tokens), words), np.int32))
         if seq is None:
             slots.append(np.full(len(tokens), -1))
         else:
@@ -28,8 +33,10 @@ def reference(chunks: list[Chunk], decodes: int, q: int, score_rows: list[int]) 
         ctx.append(start + len(tokens))
         cu.append(cu[-1] + len(tokens))
     draft_cu = np.asarray(cu[len(chunks) - decodes:]) - cu[len(chunks) - decodes] if decodes else np.zeros(0)
-    parts = [np.concatenate(ids), np.concatenate(positions), np.concatenate(slots), ctx, cu, draft_cu, score_rows,
-             tables.ravel()]
+    parts = [np.concatenate(ids), np.concatenate(positions), np.concatenate(slots), ctx, cu, draft_cu, score_rows]
+    if words:
+        parts += [tree_seq, np.concatenate(masks).ravel()]
+    parts.append(tables.ravel())
     return np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]).astype(np.int32), max(ctx)
 
 
@@ -65,7 +72,7 @@ def test_fill_matches_the_layout(prefills, decodes, padding, q, ahead):
     np.testing.assert_array_equal(packed[:layout.tables_at], want[:layout.tables_at])
     got_tables = packed[layout.tables_at:].reshape(len(chunks), MAX_BLOCKS)
     want_tables = want[layout.tables_at:].reshape(len(chunks), MAX_BLOCKS)
-    for i, (seq, start, tokens) in enumerate(chunks):  # the entries attention reads: its blocks, or the dummy
+    for i, (seq, start, tokens, *_) in enumerate(chunks):  # the entries attention reads: its blocks, or the dummy
         used = len(seq.block_table) if seq is not None else 1
         assert -(-(start + len(tokens)) // BS) <= used or seq is None
         np.testing.assert_array_equal(got_tables[i, :used], want_tables[i, :used])
@@ -92,3 +99,21 @@ def test_views_give_each_batch_its_rows():
     assert draft.meta.block_tables.tolist() == full.meta.block_tables[1:].tolist()
     assert draft.slots.tolist() == chunk_slots(chunks[1].seq.block_table, 50, 4, BS) + \
         chunk_slots(chunks[2].seq.block_table, 70, 4, BS)
+
+
+def test_fill_lays_out_a_tree_chunk():
+    """A draft tree's chunk: consecutive slots from L, its own positions (L + depth), a mask row per row, and a
+    flag for its sequence; a plain chunk beside it gets zero masks and no flag."""
+    rng = np.random.default_rng(3)
+    tree = DraftTree(np.array([4, 5, 6]), np.array([-1, -1, 0]), np.array([1, 1, 2]))
+    mask = pack_bits(ancestor_masks(tree), 1)
+    chunks = [Chunk(_seq(rng, 30), 20, [9, 8, 7]), Chunk(_seq(rng, 60), 40, [3, 4, 5, 6], [40, 41, 41, 42], mask)]
+    layout = layout_for(chunks, 0, 0, 0, MAX_BLOCKS)
+    assert layout.tree_words == 1
+    want, longest = reference(chunks, 0, 0, [], words=1)
+    packed = np.full(layout.size, -7, np.int32)
+    assert fill(packed, layout, chunks, BS, DUMMY) == longest == 44
+    np.testing.assert_array_equal(packed[:layout.tables_at], want[:layout.tables_at])
+    meta = StepTensors(layout, packed, packed, longest).meta(NumpyBackend())
+    assert meta.tree_seq.tolist() == [0, 1]
+    assert meta.tree_mask[3:].ravel().tolist() == [0b1, 0b11, 0b101, 0b1011]

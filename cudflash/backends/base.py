@@ -28,6 +28,10 @@ class AttentionMeta:
     max_q_len: int
     max_context_len: int
     device: Any = None  # backend-private copies of the arrays, filled by Backend.prepare_meta
+    # Draft trees (engine/tree.py): for a sequence with tree_seq[s] = 1, query row r sees the keys of its own rows
+    # (the last q_len of its context) only where bit j of tree_mask[r] is set, j counted from its first row.
+    tree_seq: np.ndarray | None = None  # int32 [n]
+    tree_mask: np.ndarray | None = None  # int32 [T, W]
 
 
 def build_meta(q_lens: list[int], context_lens: list[int], block_tables: list[list[int]]) -> AttentionMeta:
@@ -114,6 +118,10 @@ class Backend(Protocol):
     def attention(self, q: Any, k_cache: Any, v_cache: Any, meta: AttentionMeta, scale: float,
                   causal: bool, window: int = 0) -> Any: ...
     def argmax(self, x: Any) -> Any: ...  # [T, V] -> int32 [T]
+    # cache [layers, blocks, block_size, ...] (a whole KV cache): every layer's entries at slots src copied to slots
+    # dst, int32 [m] each; all sources are read before any destination is written (a draft tree's compaction).
+    def copy_slots(self, cache: Any, src: Any, dst: Any) -> None: ...
+    def logsumexp(self, x: Any) -> Any: ...  # [T, V] -> float32 [T]
 
     # ---- drafter heads (DFlash2); numpy_backend.py holds the reference definitions
     def block_conv(self, x: Any, coeff: Any, base: Any, block: int) -> Any: ...  # two-tap grouped dynamic conv

@@ -469,6 +469,16 @@ class CudaBackend:
             (cdiv(rows, 128),), (128,), (keys, out, i32(rows)))
         return out
 
+    def copy_slots(self, cache: cupy.ndarray, src: Any, dst: Any) -> None:
+        """See base.Backend.copy_slots: one gather into a temporary, one scatter."""
+        flat = bits(cache).reshape(cache.shape[0], -1, *cache.shape[3:])
+        flat[:, device_i32(dst)] = flat[:, device_i32(src)]
+
+    def logsumexp(self, x: cupy.ndarray) -> cupy.ndarray:
+        x = as_rows(x).astype(cupy.float32)
+        m = cupy.max(x, axis=1, keepdims=True)
+        return cupy.log(cupy.sum(cupy.exp(x - m), axis=1)) + m[:, 0]
+
     # ------------------------------------------------------------------ drafter heads (DFlash2)
     def block_conv(self, x: cupy.ndarray, coeff: cupy.ndarray, base: cupy.ndarray, block: int) -> cupy.ndarray:
         """Grouped dynamic depthwise conv along each block's rows (see NumpyBackend.block_conv); x bf16 or

@@ -152,11 +152,27 @@ class NumpyBackend:
                 hidden |= kpos > qpos
             if window > 0:
                 hidden |= kpos <= qpos - window
+            if meta.tree_seq is not None and meta.tree_seq[s]:  # a draft tree: its own rows by ancestry alone
+                first = ctx - (hi - lo)
+                words = meta.tree_mask[lo:hi].view(np.uint32)
+                cols = np.arange(hi - lo)
+                sees = ((words[:, cols // 32] >> (cols % 32).astype(np.uint32)) & 1).astype(bool)  # [q, q]
+                hidden[:, first:] |= ~sees
             scores = np.where(hidden, np.float32(-np.inf), scores)
             scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
             probs = scores / scores.sum(axis=-1, keepdims=True)
             out[lo:hi] = np.einsum("hgqk,khd->qhgd", probs, vals).reshape(hi - lo, q_heads, head_dim)
         return out.reshape(t, q_heads * head_dim)
+
+    def copy_slots(self, cache: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
+        """cache [layers, blocks, block_size, ...]: every layer's entries at slots `src` copied to slots `dst` (all
+        sources read before any destination is written)."""
+        flat = cache.reshape(cache.shape[0], -1, *cache.shape[3:])
+        flat[:, np.asarray(dst)] = flat[:, np.asarray(src)]
+
+    def logsumexp(self, x: np.ndarray) -> np.ndarray:
+        m = np.max(x, axis=-1, keepdims=True)
+        return (np.log(np.sum(np.exp(x - m), axis=-1)) + m[:, 0]).astype(np.float32)
 
     def argmax(self, x: np.ndarray) -> np.ndarray:
         return np.argmax(x, axis=-1).astype(np.int32)

@@ -19,7 +19,7 @@ from cudflash.engine.admission import Admission, is_token_ids
 from cudflash.engine.model_runner import ModelRunner
 from cudflash.engine.scheduler import Scheduler
 from cudflash.engine.sequence import Sequence, SequenceStatus, StepMark
-from cudflash.engine.propose import DraftProposer, Proposer
+from cudflash.engine.propose import Proposer, make_proposer
 from cudflash.engine.spec_decode import SpeculativeStep, StepPhases
 from cudflash.errors import ConfigError, RequestError
 from cudflash.hub import resolve_model
@@ -90,18 +90,25 @@ class LLM:
             raise ConfigError(f"max_num_batched_tokens {max_num_batched_tokens} cannot hold {max_num_seqs} "
                               f"sequences of block {self.block_size}")
         self.backend = get_backend(backend, tuning)  # tuning: the cuda backend's (backends/tuning.py)
-        self.runner = ModelRunner(self.target_cfg, self.draft_cfg, self.backend, max_block_size=self.block_size,
+        tree = self.draft_options.tree_budget if self.draft_options is not None else None
+        if tree is not None and self.backend.name != "cpu":
+            raise ConfigError("tree verification (tree_budget) runs on the cpu backend only, for now")
+        # Rows a decoding sequence computes per verify, and the lookahead slots it holds: its block, or its tree's
+        # root and nodes (engine/tree.py), whichever is more.
+        verify_rows = tree + 1 if tree is not None else self.block_size
+        lookahead = max(self.block_size, verify_rows)
+        self.runner = ModelRunner(self.target_cfg, self.draft_cfg, self.backend, max_block_size=lookahead,
                                   kv_block_size=kv_block_size, num_kv_blocks=num_kv_blocks,
                                   max_num_seqs=max_num_seqs, memory_utilization=memory_utilization,
                                   progress=progress, random_weights=random_weights, max_model_len=max_model_len,
                                   check_weights=check_weights)
         self.runner.blocks.enable_prefix_caching = enable_prefix_caching
-        proposer = DraftProposer(self.runner, self.draft_options) if self.runner.draft is not None else None
+        proposer = make_proposer(self.runner, self.draft_options) if self.runner.draft is not None else None
         self.engine = self._make_step(proposer, graphs=self.backend.name == "cuda" and not enforce_eager)
         # Plain decoding replayed from graphs queues each next step ahead: it needs a slot one position further on.
         ahead = self.engine.graphs is not None and self.engine.graphs.pipeline and self.block_size == 1
-        self.scheduler = Scheduler(self.runner.blocks, self.block_size, max_num_seqs, max_num_batched_tokens,
-                                   lookahead=self.block_size + (1 if ahead else 0))
+        self.scheduler = Scheduler(self.runner.blocks, verify_rows, max_num_seqs, max_num_batched_tokens,
+                                   lookahead=lookahead + (1 if ahead else 0))
         self.eos_token_ids = set(self.target_cfg.eos_token_ids)
         self.admission = Admission(self.target_cfg, self.tokenizer, self.scheduler.lookahead, self.runner.blocks,
                                    self.max_model_len)

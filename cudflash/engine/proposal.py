@@ -14,8 +14,9 @@ import numpy as np
 
 @dataclass(slots=True)
 class Proposal:
-    drafts: list[np.ndarray] | np.ndarray  # per sequence: int64 [k <= block - 1] draft tokens
+    drafts: list[np.ndarray] | np.ndarray  # per sequence: int64 [k <= block - 1] draft tokens (a tree's: its nodes)
     q: list[np.ndarray | None] | None = None  # per sequence: [k, V] draft distributions; None = argmax (one-hot)
+    trees: list[Any] | None = None  # per sequence: a tree.DraftTree to verify instead of a single path
 
 
 def block_rows(n: int, block: int, first: int, count: int) -> np.ndarray:
@@ -54,5 +55,6 @@ class HeadOutputs:
 
     h: Any = None  # [n S, H]: the drafter's hidden rows of the drafts
     drafts: Any = None  # int32 [n S] target ids, sequence-major (argmax, or the Markov walk)
-    scores: Any = None  # float32 [n S, K, K]: the selector's pair scores
-    cand: Any = None  # int32 [n S, K]: the selector's candidates (target ids)
+    scores: Any = None  # float32 [n S, K, K]: the selector's pair scores; [n S, K]: a tree's top-K logits
+    cand: Any = None  # int32 [n S, K]: the selector's candidates, or a tree's top-K tokens (target ids)
+    lse: Any = None  # float32 [n S]: log-sum-exp of each row's logits (a tree's top-K log-probabilities)

@@ -36,6 +36,7 @@ import numpy as np
 
 from cudflash.draft_config import DraftOptions
 from cudflash.engine.proposal import HeadOutputs, HeadRows, Proposal
+from cudflash.engine.tree import build_lattice_tree, build_tree
 from cudflash.engine.sequence import Sequence
 from cudflash.models.batch import ForwardBatch
 
@@ -136,6 +137,39 @@ class DraftProposer:
         return np.stack(drafts), (qs if any(q is not None for q in qs) else None)
 
 
+class TreeProposer(DraftProposer):
+    """DDTree (engine/tree.py) over a DFlash drafter, from its K most likely tokens at each block row and their
+    log-probabilities, or over a DFlash2 drafter, from its selector's lattice; the tree is built on the host."""
+
+    def __init__(self, runner: ModelRunner, options: DraftOptions):
+        super().__init__(runner, options)
+        self.budget = options.tree_budget
+        self.drafts_on_device = False
+
+    def device_part(self, runner: ModelRunner, batch: ForwardBatch, rows: HeadRows) -> HeadOutputs:
+        b, draft = runner.backend, runner.draft
+        if draft.selector is not None:  # the lattice of pair scores, as the single path's walk reads it
+            return super().device_part(runner, batch, rows)
+        h = b.take_rows(runner.draft_forward(batch), rows.draft)  # [n S, H]
+        logits = draft.logits(h, runner.target)  # [n S, Vd]
+        vals, ids = b.topk(logits, min(self.budget, logits.shape[1]))  # a depth never holds more than the budget
+        return HeadOutputs(h, scores=vals, cand=draft.to_target(ids), lse=b.logsumexp(logits))
+
+    def host_part(self, runner: ModelRunner, out: HeadOutputs, seqs: list[Sequence], block: int) -> Proposal:
+        b, n, slots = runner.backend, len(seqs), block - 1
+        padded = out.h.shape[0] // slots
+        ids = b.to_numpy(out.cand).astype(np.int64).reshape(padded, slots, -1)[:n]
+        if out.lse is None:  # DFlash2: scores [n S, K, K]
+            k = ids.shape[2]
+            scores = b.to_numpy(out.scores).reshape(padded, slots, k, k)[:n]
+            trees = [build_lattice_tree(scores[i], ids[i], self.budget) for i in range(n)]
+        else:
+            logits = b.to_numpy(out.scores).reshape(padded, slots, -1)[:n]
+            logprobs = logits - b.to_numpy(out.lse).reshape(padded, slots, 1)[:n]
+            trees = [build_tree(logprobs[i], ids[i], self.budget) for i in range(n)]
+        return Proposal([t.tokens for t in trees], trees=trees)
+
+
 class HostProposer:
     """A proposer that decides its drafts on the host alone (an oracle in tests, a lookup table): its device part is
     empty. Subclasses implement `propose`."""
@@ -154,4 +188,7 @@ class HostProposer:
 
 
 def make_proposer(runner: ModelRunner, options: DraftOptions | None = None) -> Proposer:
+    """The drafter's proposer: a tree of `options.tree_budget` nodes, or the drafter family's single path."""
+    if options is not None and options.tree_budget is not None:
+        return TreeProposer(runner, options)
     return DraftProposer(runner, options)

@@ -17,6 +17,7 @@ import numpy as np
 
 from cudflash.backends.base import Backend
 from cudflash.engine.sequence import Sequence
+from cudflash.engine.tree import DraftTree, walk
 from cudflash.sampling_params import SamplingParams
 
 
@@ -26,6 +27,8 @@ class VerifyGroup:
     first_row: int  # this sequence's rows in the logits: first_row .. first_row + len(drafts)
     drafts: np.ndarray  # int64 [k]
     q: np.ndarray | None = None  # float [k, V] draft distributions; None = one-hot on the drafts (argmax drafter)
+    tree: DraftTree | None = None  # the drafts are this tree's nodes (row 0 the root): walked, not a prefix
+    path: list[int] | None = None  # set by verify_tokens for a tree: the storage rows of the matched path
 
 
 def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -94,7 +97,15 @@ def verify_tokens(backend: Backend, logits: Any, groups: list[VerifyGroup],
     emitted = []
     for g in groups:
         k = len(g.drafts)
-        if g.seq.params.greedy:
+        if g.tree is not None:  # follow the target's own choice at each node while it is a child
+            params, rng = g.seq.params, g.seq.rng
+            if params.greedy:
+                choose = lambda row, g=g: int(argmax[g.first_row + row])  # noqa: E731
+            else:
+                choose = lambda row, g=g: sample(target_probs(host_rows[g.first_row + row], params), rng)  # noqa: E731
+            g.path, tokens = walk(g.tree, choose)
+            emitted.append(tokens)
+        elif g.seq.params.greedy:
             targets = argmax[g.first_row:g.first_row + k + 1]
             a = accepted_prefix(g.drafts, targets)
             emitted.append([int(t) for t in g.drafts[:a]] + [int(targets[a])])

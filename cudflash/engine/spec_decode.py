@@ -38,6 +38,7 @@ from cudflash.engine.sampler import VerifyGroup, verify_tokens
 from cudflash.engine.scheduler import StepPlan
 from cudflash.engine.sequence import Sequence
 from cudflash.engine.step_inputs import Chunk, StepTensors, fill, layout_for
+from cudflash.engine.tree import DraftTree, ancestor_masks, pack_bits, words_for
 
 Mark = Callable[[str], None]
 
@@ -60,6 +61,13 @@ def completes_prompt(seq: Sequence, n: int) -> bool:
     """Whether a prefill chunk of n tokens is a fresh prompt's last: its last row's logits give the first token
     (a preempted sequence recomputing its history already holds its pending token)."""
     return seq.num_cached + n == seq.prefill_end and not seq.output_ids
+
+
+def tree_chunk(seq: Sequence, tree: DraftTree, words: int) -> Chunk:
+    """A decode's verify rows for its draft tree (engine/tree.py): the root and the nodes in storage order."""
+    start = seq.num_cached
+    return Chunk(seq, start, [seq.last_token] + tree.tokens.tolist(), [start] + (start + tree.depths).tolist(),
+                 pack_bits(ancestor_masks(tree), words))
 
 
 def decode_chunks(decodes: list[Sequence], q: int, mask: int, ahead: int = 0) -> list[Chunk]:
@@ -172,9 +180,28 @@ class SpeculativeStep:
         base = len(plan.prefills)
         for j, s in enumerate(plan.decodes):
             q = proposal.q[j] if proposal.q is not None else None
-            groups.append(VerifyGroup(s, out.score_first[base + j], proposal.drafts[j], q))
+            tree = proposal.trees[j] if proposal.trees is not None else None
+            groups.append(VerifyGroup(s, out.score_first[base + j], proposal.drafts[j], q, tree))
         emitted = verify_tokens(self.b, out.logits, groups, argmax=out.targets) if groups else []
+        if proposal.trees is not None:
+            self.compact([g for g in groups[len(first_of):]])
         return list(zip(first_of, emitted[:len(first_of)])), emitted[len(first_of):]
+
+    def compact(self, groups: list[VerifyGroup]) -> None:
+        """Each tree's matched path: its nodes' K/V (target and drafter) move from their storage slots L + row to
+        the slots of positions L + 1 .. L + a, where the next steps expect them (engine/tree.py)."""
+        blocks, src, dst = self.runner.blocks, [], []
+        for g in groups:
+            at = g.seq.num_cached
+            for depth, row in enumerate(g.path[1:], start=1):
+                if row != depth:
+                    src += blocks.slots(g.seq, at + row, 1)
+                    dst += blocks.slots(g.seq, at + depth, 1)
+        if src:
+            r = self.runner
+            src_i, dst_i = (self.b.asarray(np.asarray(x, dtype=np.int32), "i32") for x in (src, dst))
+            for cache in (r.target_kv.k, r.target_kv.v, r.draft_kv.k, r.draft_kv.v):
+                self.b.copy_slots(cache, src_i, dst_i)
 
     def commit(self, plan: StepPlan, first: list, emitted: list[list[int]]) -> None:
         blocks = self.runner.blocks
@@ -233,9 +260,14 @@ class Eager:
         return self.phases.propose(inp)
 
     def stage_drafts(self, inp: StepTensors, plan: StepPlan, proposal: Proposal) -> StepTensors:
-        """The verify batch again, each decode holding exactly its drafts: a cut proposal verifies fewer rows."""
-        decode = [Chunk(s, s.num_cached, [s.last_token] + [int(t) for t in d])
-                  for s, d in zip(plan.decodes, proposal.drafts)]
+        """The verify batch again, each decode holding exactly its drafts (a cut proposal verifies fewer rows), or its
+        draft tree: the root and every node, at slots L .. L + N, positions L + depth, ancestor masks."""
+        if proposal.trees is not None:
+            decode = [tree_chunk(s, t, words_for(max(t.size for t in proposal.trees)))
+                      for s, t in zip(plan.decodes, proposal.trees)]
+        else:
+            decode = [Chunk(s, s.num_cached, [s.last_token] + [int(t) for t in d])
+                      for s, d in zip(plan.decodes, proposal.drafts)]
         return self._stage(plan, decode, False, 0)
 
     def verify(self, inp: StepTensors, speculative: bool, read_drafts: bool) -> Verified:

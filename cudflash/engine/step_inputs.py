@@ -13,6 +13,8 @@ Layout (`StepLayout`), int32, T rows, n sequences, the last nd of them decoding 
   cu         [n + 1]          sequence s owns rows cu[s] .. cu[s + 1] - 1
   draft_cu   [nd + 1]         cu of the decode rows alone (the drafter's batch); present when drafting
   score_rows [R]              rows whose logits are needed; present unless every row's are (R = 0)
+  tree_seq   [n]              1 for a sequence whose rows are a draft tree; present with tree masks (W > 0)
+  tree_mask  [T, W]           per row, bit j: the row sees its chunk's row j (engine/tree.py); present when W > 0
   tables     [n, max_blocks]  block tables; entries past a sequence's own blocks are left as they were (attention
                               reads the blocks of positions below the context only)
 A padding sequence (a CUDA graph's batch bucket) has mask ids, positions 0 .. q - 1, slots -1, context q and the
@@ -33,8 +35,10 @@ from cudflash.models.batch import ForwardBatch
 
 class Chunk(NamedTuple):
     seq: Sequence | None  # None: a padding sequence
-    start: int  # position of ids[0]
+    start: int  # cache slot of ids[0] (rows take consecutive slots), and its position unless `positions` says
     ids: list[int]
+    positions: list[int] | None = None  # a draft tree's rows: the position of each (their slots stay consecutive)
+    tree_mask: np.ndarray | None = None  # int32 [len(ids), tree_words]: which of the chunk's rows each row sees
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +49,7 @@ class StepLayout:
     q: int  # rows per decoding sequence (0 when there is no drafter batch)
     score_rows: int  # R; 0: every row is scored
     max_blocks: int
+    tree_words: int = 0  # W: int32 words of a tree row's mask; 0: no tree in the batch
 
     @property
     def draft_rows(self) -> int:
@@ -52,8 +57,16 @@ class StepLayout:
 
     @property
     def tables_at(self) -> int:
+        return self.tree_mask_at + self.rows * self.tree_words
+
+    @property
+    def tree_seq_at(self) -> int:
         draft_cu = self.decodes + 1 if self.decodes else 0
         return 3 * self.rows + 2 * self.seqs + 1 + draft_cu + self.score_rows
+
+    @property
+    def tree_mask_at(self) -> int:
+        return self.tree_seq_at + (self.seqs if self.tree_words else 0)
 
     @property
     def size(self) -> int:
@@ -86,10 +99,10 @@ def fill(packed: np.ndarray, layout: StepLayout, chunks: Seq[Chunk], block_size:
     ctx: list[int] = []
     cu = [0]
     tables = packed[layout.tables_at:].reshape(n, max_blocks)
-    for i, (seq, start, tokens) in enumerate(chunks):
+    for i, (seq, start, tokens, rows_at, _) in enumerate(chunks):
         count = len(tokens)
         ids += tokens
-        positions += range(start, start + count)
+        positions += range(start, start + count) if rows_at is None else rows_at
         if seq is None:
             slots += [-1] * count
             tables[i, 0] = dummy_block
@@ -104,7 +117,13 @@ def fill(packed: np.ndarray, layout: StepLayout, chunks: Seq[Chunk], block_size:
         first = cu[n - layout.decodes]
         head += [c - first for c in cu[n - layout.decodes:]]
     head += score_rows
-    packed[:layout.tables_at] = np.array(head, dtype=np.int32)  # faster than assigning the list itself
+    if layout.tree_words:
+        head += [int(c.tree_mask is not None) for c in chunks]
+    packed[:layout.tree_mask_at] = np.array(head, dtype=np.int32)  # faster than assigning the list itself
+    if layout.tree_words:
+        masks = packed[layout.tree_mask_at:layout.tables_at].reshape(layout.rows, layout.tree_words)
+        for c, lo, hi in zip(chunks, cu, cu[1:]):
+            masks[lo:hi] = c.tree_mask if c.tree_mask is not None else 0
     return max(ctx)
 
 
@@ -149,6 +168,9 @@ class StepTensors:
         max_q = lay.q if drafter else int(np.max(np.diff(host_cu)))
         meta = AttentionMeta(host_cu, self._view(h, "context")[first:], self._tables(h)[first:], max_q,
                              self.max_context)
+        if lay.tree_words and not drafter:
+            meta.tree_seq = h[lay.tree_seq_at:lay.tree_mask_at]
+            meta.tree_mask = h[lay.tree_mask_at:lay.tables_at].reshape(lay.rows, lay.tree_words)
         return backend.prepare_meta(meta, (self._view(d, cu), self._view(d, "context")[first:],
                                            self._tables(d)[first:]))
 
@@ -161,4 +183,5 @@ class StepTensors:
 
 
 def layout_for(chunks: Seq[Chunk], decodes: int, q: int, score_rows: int, max_blocks: int) -> StepLayout:
-    return StepLayout(sum(len(c.ids) for c in chunks), len(chunks), decodes, q, score_rows, max_blocks)
+    words = max((c.tree_mask.shape[1] for c in chunks if c.tree_mask is not None), default=0)
+    return StepLayout(sum(len(c.ids) for c in chunks), len(chunks), decodes, q, score_rows, max_blocks, words)
