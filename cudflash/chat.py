@@ -295,3 +295,23 @@ def validate_tools(tools: Any, where: str = "tools") -> list[dict] | None:
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise RequestError(f"{where}: expected a list of tool objects")
     return tools
+
+
+def chat_prompt_ids(model_dir: str | Path, template: ChatTemplate | None, tokenizer: Any, messages: Any,
+                    tools: Any = None, chat_template_kwargs: Any = None, documents: list[dict] | None = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    where: str = "messages") -> list[int]:
+    """One conversation rendered by the model's chat template, as prompt token ids (LLM.apply_chat_template, and the
+    CLI before the model loads)."""
+    if tokenizer is None:
+        raise RequestError(f"chat needs a tokenizer: {model_dir} has no tokenizer.json (or `pip install tokenizers` "
+                           "is missing)")
+    if template is None:
+        raise ConfigError(f"{model_dir}: the model has no chat template (no 'chat_template' in tokenizer_config.json, "
+                          "no chat_template.jinja); give plain prompts instead")
+    kwargs = chat_template_kwargs or {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise RequestError("chat_template_kwargs: expected an object with string keys")
+    text = template.render(validate_messages(messages, where), validate_tools(tools), documents, add_generation_prompt,
+                           continue_final_message, kwargs)
+    return tokenizer.encode(text)  # the template wrote the special tokens; none are added

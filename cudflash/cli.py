@@ -122,6 +122,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify-cost", type=_float_arg(0.0, float("inf"), "a finite number >= 0"), default=0.05,
                    metavar="X", help="with --adaptive-verify: cost of one verified token relative to a step's fixed "
                                      "cost")
+    p.add_argument("--tree-budget", type=_int_arg(1, "an integer >= 1"), metavar="N",
+                   help="verify a tree of up to N drafts per step (DDTree; DFlash / DFlash2 drafters; cpu backend for "
+                        "now) instead of one path")
     p.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--max-num-seqs", type=_int_arg(1, "an integer >= 1"), default=64,
                    help="sequences in flight at once")
@@ -134,10 +137,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """LLM(...) keyword arguments from the options of `add_engine_arguments` (target and draft aside)."""
     options = None
     if (args.draft_window is not None or args.draft_context_window is not None or args.confidence_threshold
-            or args.adaptive_verify):
+            or args.adaptive_verify or args.tree_budget is not None):
         options = {"sliding_window": args.draft_window, "context_window": args.draft_context_window,
                    "confidence_threshold": args.confidence_threshold, "adaptive": args.adaptive_verify,
-                   "verify_cost": args.verify_cost}
+                   "verify_cost": args.verify_cost, "tree_budget": args.tree_budget}
     return dict(backend=args.backend, block_size=args.block_size, draft_options=options,
                 max_num_seqs=args.max_num_seqs, memory_utilization=args.gpu_memory_utilization,
                 enforce_eager=args.enforce_eager)
@@ -151,6 +154,9 @@ def add_generate_arguments(g: argparse.ArgumentParser) -> None:
                    help='JSON lines, each {"prompt": "text"} or {"prompt_ids": [ints]}, optionally with its own '
                         + ", ".join(f'"{k}"' for k in LINE_FIELDS))
     g.add_argument("--output", type=Path, metavar="FILE", help="write JSON lines here instead of stdout")
+    g.add_argument("--chat", action="store_true",
+                   help='send every text prompt as one user message through the model\'s chat template (prompts-file '
+                        'lines may also give "messages": a whole conversation)')
     g.add_argument("--stream", action="store_true",
                    help="write the generated text to stdout as it is generated (JSON lines only to --output)")
     g.add_argument("--max-new-tokens", type=_sampling_arg("max_tokens", _parse_int), default=128)
@@ -223,13 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
 # Per-line fields of a prompts file besides the prompt, and the SamplingParams field each one sets.
 LINE_FIELDS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                "seed": "seed", "stop": "stop", "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos"}
-PROMPT_FIELDS = ("prompt", "prompt_ids")
+PROMPT_FIELDS = ("prompt", "prompt_ids", "messages")  # messages: a conversation, through the chat template
 
 
 @dataclass(slots=True)
 class Request:
     where: str  # "FILE:LINE" or "--prompt [N]": what error messages name
-    prompt: str | list[int]
+    prompt: str | list[int] | list[dict]  # text, token ids, or a conversation (messages)
     params: SamplingParams
     prompt_ids: list[int] | None = None  # once checked against the model
 
@@ -237,7 +243,13 @@ class Request:
     def prompt_name(self) -> str:
         if self.where.startswith("--"):
             return self.where
+        if self.conversation:
+            return f"{self.where}: messages"
         return f"{self.where}: {'prompt' if isinstance(self.prompt, str) else 'prompt_ids'}"
+
+    @property
+    def conversation(self) -> bool:
+        return isinstance(self.prompt, list) and bool(self.prompt) and isinstance(self.prompt[0], dict)
 
 
 def _json_int(text: str) -> int:
@@ -275,7 +287,11 @@ def parse_line(line: str, where: str) -> dict[str, Any]:
         raise RequestError(f"{where}: unknown field {validate.describe(unknown)} (known: "
                            f"{', '.join(PROMPT_FIELDS + tuple(LINE_FIELDS))})")
     if sum(k in obj for k in PROMPT_FIELDS) != 1:
-        raise RequestError(f'{where}: expected exactly one of "prompt" or "prompt_ids"')
+        raise RequestError(f'{where}: expected exactly one of "prompt", "prompt_ids" or "messages"')
+    if "messages" in obj and not (isinstance(obj["messages"], list) and obj["messages"]
+                                  and all(isinstance(m, dict) for m in obj["messages"])):
+        raise RequestError(f'{where}: "messages" must be a non-empty list of message objects, got '
+                           f'{validate.describe(obj["messages"])}')
     if "prompt" in obj and not isinstance(obj["prompt"], str):
         raise RequestError(f'{where}: "prompt" must be a string, got {validate.describe(obj["prompt"])}')
     if "prompt_ids" in obj and not isinstance(obj["prompt_ids"], list):
@@ -309,7 +325,8 @@ def read_requests(args: argparse.Namespace) -> list[Request]:
                     stop_token_ids=[t for ids in args.stop_token_ids for t in ids])
     base = SamplingParams(**defaults)
     many = len(args.prompt) > 1
-    requests = [Request(f"--prompt {i + 1}" if many else "--prompt", p, base) for i, p in enumerate(args.prompt)]
+    requests = [Request(f"--prompt {i + 1}" if many else "--prompt", [{"role": "user", "content": p}] if args.chat else p,
+                        base) for i, p in enumerate(args.prompt)]
     if args.prompts is not None:
         for where, obj in read_prompts_file(args.prompts):
             own = {}
@@ -320,17 +337,33 @@ def read_requests(args: argparse.Namespace) -> list[Request]:
                     except RequestError as e:
                         raise RequestError(f'{where}: field "{key}": {e}') from None
                     own[field] = obj[key]
-            prompt = obj.get("prompt", obj.get("prompt_ids"))
+            prompt = next(obj[k] for k in PROMPT_FIELDS if k in obj)
+            if args.chat and isinstance(prompt, str):
+                prompt = [{"role": "user", "content": prompt}]
             requests.append(Request(where, prompt, SamplingParams(**{**defaults, **own}) if own else base))
     if not requests:
         raise RequestError("no prompts: give --prompt TEXT or --prompts FILE")
     return requests
 
 
-def check_requests(requests: list[Request], admission) -> None:
-    """Prompt ids inside the vocabulary, text the tokenizer takes, lengths the model's positions hold."""
+def check_requests(requests: list[Request], admission, target: str | Path) -> None:
+    """Conversations rendered by the model's chat template; then prompt ids inside the vocabulary, text the
+    tokenizer takes, lengths the model's positions hold."""
+    template = None
+    if any(r.conversation for r in requests):
+        from cudflash.chat import load_chat_template
+
+        template = load_chat_template(target)
     for r in requests:
-        r.prompt_ids, r.params = admission.admit(r.prompt, r.params, r.prompt_name, r.where)
+        prompt = r.prompt
+        if r.conversation:
+            from cudflash.chat import chat_prompt_ids
+
+            try:
+                prompt = chat_prompt_ids(target, template, admission.tokenizer, r.prompt, where="messages")
+            except CudflashError as e:
+                raise type(e)(f"{r.where}: {e}") from None
+        r.prompt_ids, r.params = admission.admit(prompt, r.params, r.prompt_name, r.where)
 
 
 # ---- generate: output
@@ -432,7 +465,7 @@ def run_generate(args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(target)
     if args.stream and tokenizer is None:
         raise RequestError(f"--stream needs a tokenizer: {target} has no tokenizer.json (or `pip install tokenizers`)")
-    check_requests(requests, Admission(load_target_config(target), tokenizer))
+    check_requests(requests, Admission(load_target_config(target), tokenizer), target)
     output = _open_output(args)
     try:
         llm = LLM(target, draft=draft, progress=True, **engine_kwargs(args))

@@ -4,17 +4,22 @@
 //   argmax_partial<T, VEC>: grid (ceil(V / CHUNK), rows), 256 threads; each block reduces one CHUNK of one
 //     row to a 64-bit key and folds it into keys[row] (uint64 [rows], zeroed by the caller) with atomicMax.
 //     key = (order-preserving bits of the float) << 32 | (0xffffffff - index): the largest key is the largest
-//     value and, among equal values, the smallest index. VEC: 16-byte loads (rows 16-byte aligned).
-//   argmax_finish: out[row] = 0xffffffff - (keys[row] & 0xffffffff), int32 [rows].
+//     value and, among equal values, the smallest index. A non-finite value (NaN, +-Inf) takes the high word
+//     0xffffffff, above every finite value's, so one decides its row. VEC: 16-byte loads (rows 16-byte aligned).
+//   argmax_finish: out[row] = 0xffffffff - (keys[row] & 0xffffffff), int32 [rows], or `nonfinite` for a row that
+//     holds a non-finite value (the engine finishes such a sequence with an error instead of sampling garbage).
 // Splitting rows into chunks keeps the whole GPU busy when there are only a few rows of a 150k vocabulary.
 #include "common.cuh"
 
 #define ARGMAX_THREADS 256
 #define ARGMAX_CHUNK 8192
 
+#define ARGMAX_NONFINITE 0xffffffffu  // the high word of a non-finite value's key (no finite value has it)
+
 __device__ __forceinline__ unsigned long long argmax_key(float f, unsigned idx) {
     unsigned u = __float_as_uint(f);
-    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    if ((u & 0x7f800000u) == 0x7f800000u) u = ARGMAX_NONFINITE;  // exponent all ones: NaN or +-Inf
+    else u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
     return ((unsigned long long)u << 32) | (unsigned long long)(0xffffffffu - idx);
 }
 
@@ -61,8 +66,12 @@ __global__ void argmax_partial(const T* __restrict__ x, long long sx, int V, uns
     }
 }
 
-extern "C" __global__ void argmax_finish(const unsigned long long* __restrict__ keys, int* __restrict__ out, int rows) {
+extern "C" __global__ void argmax_finish(const unsigned long long* __restrict__ keys, int* __restrict__ out, int rows,
+                                         int nonfinite) {
     pdl_entry();
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
-    if (r < rows) out[r] = (int)(0xffffffffu - (unsigned)(keys[r] & 0xffffffffull));
+    if (r < rows) {
+        const unsigned long long k = keys[r];
+        out[r] = (unsigned)(k >> 32) == ARGMAX_NONFINITE ? nonfinite : (int)(0xffffffffu - (unsigned)(k & 0xffffffffull));
+    }
 }

@@ -246,3 +246,46 @@ def test_example_runs_on_a_fresh_checkout(tmp_path):
     lines = dict(line.split(":", 1) for line in r.stdout.splitlines() if ":" in line and not line.startswith(" "))
     assert lines["backend"].split()[0] in ("cpu", "cuda")
     assert lines["tokens"].split()[0] == "64"
+
+
+def test_chat_lines_and_the_chat_flag_render_the_template(capsys, tmp_path, chat_target, tiny_pair):
+    """A "messages" line and `--chat --prompt` go through the model's chat template: the same tokens as LLM.chat;
+    a model without a template is a one-line error naming the line, before anything loads."""
+    from cudflash import LLM, SamplingParams
+
+    conversation = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+    prompts = tmp_path / "chat.jsonl"
+    prompts.write_text(json.dumps({"messages": conversation}) + "\n")
+    base = ["generate", "--target", str(chat_target), "--backend", "cpu", "--max-new-tokens", "12", "--ignore-eos"]
+    code, out, err = cli(capsys, *base, "--prompts", str(prompts))
+    assert code == 0, err
+    code, out_flag, err = cli(capsys, *base, "--chat", "--prompt", "def add(a, b):")
+    assert code == 0, err
+    llm = LLM(chat_target, backend="cpu")
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = llm.chat(conversation, params)[0].token_ids
+    want_flag = llm.chat([{"role": "user", "content": "def add(a, b):"}], params)[0].token_ids
+    assert json.loads(out)["token_ids"] == want
+    assert json.loads(out_flag)["token_ids"] == want_flag and want_flag != want
+    no_template = ["generate", "--target", str(tiny_pair / "target"), "--backend", "cpu", "--prompts", str(prompts)]
+    assert_one_line_error(*cli(capsys, *no_template), f"{prompts}:1", "no chat template")
+    prompts.write_text('{"messages": "hello"}\n')
+    assert_one_line_error(*cli(capsys, *base, "--prompts", str(prompts)), f"{prompts}:1", '"messages"')
+
+
+def test_tree_budget_option(capsys, tmp_path):
+    """--tree-budget verifies draft trees: greedy output is the same as without them."""
+    from cudflash.tiny import TinyShape, write_random_pair
+
+    target, draft = write_random_pair(tmp_path, TinyShape(num_layers=2, target_layer_ids=[0, 1]), seed=2)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [5, 6, 7, 8]}\n{"prompt_ids": [9, 10]}\n')
+    base = ["generate", "--target", str(target), "--draft", str(draft), "--backend", "cpu", "--prompts", str(prompts),
+            "--max-new-tokens", "10", "--ignore-eos"]
+    outs = []
+    for extra in ([], ["--tree-budget", "12"]):
+        code, out, err = cli(capsys, *base, *extra)
+        assert code == 0, err
+        outs.append([json.loads(line)["token_ids"] for line in out.splitlines()])
+    assert outs[0] == outs[1]
+    assert_one_line_error(*cli(capsys, *base, "--tree-budget", "0"), "--tree-budget")

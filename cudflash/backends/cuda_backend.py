@@ -445,7 +445,7 @@ class CudaBackend:
                   scale: float, causal: bool, window: int = 0) -> cupy.ndarray:
         return _attention(q, k_cache, v_cache, meta, scale, causal, window, self.num_sms, self.tuning)
 
-    def argmax(self, x: cupy.ndarray) -> cupy.ndarray:
+    def argmax(self, x: cupy.ndarray, nonfinite: int = -1) -> cupy.ndarray:
         x = as_rows(x)
         if x.dtype not in (self.act, np.float32):
             x = x.astype(cupy.float32)
@@ -466,7 +466,7 @@ class CudaBackend:
             r1 = min(rows, r0 + _MAX_GRID_Y)
             partial((cdiv(vocab, _ARGMAX_CHUNK), r1 - r0), (256,), (x[r0:r1], i64(sx), i32(vocab), keys[r0:r1]))
         self._kernel("argmax", "argmax_finish", _ARGMAX_NAMES)(
-            (cdiv(rows, 128),), (128,), (keys, out, i32(rows)))
+            (cdiv(rows, 128),), (128,), (keys, out, i32(rows), i32(nonfinite)))
         return out
 
     def copy_slots(self, cache: cupy.ndarray, src: Any, dst: Any) -> None:

@@ -174,8 +174,12 @@ class NumpyBackend:
         m = np.max(x, axis=-1, keepdims=True)
         return (np.log(np.sum(np.exp(x - m), axis=-1)) + m[:, 0]).astype(np.float32)
 
-    def argmax(self, x: np.ndarray) -> np.ndarray:
-        return np.argmax(x, axis=-1).astype(np.int32)
+    def argmax(self, x: np.ndarray, nonfinite: int = -1) -> np.ndarray:
+        out = np.argmax(x, axis=-1).astype(np.int32)
+        bad = ~np.isfinite(x).all(axis=-1)
+        if bad.any():
+            out[bad] = nonfinite
+        return out
 
     # ---- drafter heads (DFlash2)
     def block_conv(self, x: np.ndarray, coeff: np.ndarray, base: np.ndarray, block: int) -> np.ndarray:

@@ -12,7 +12,7 @@ import numpy as np
 
 from cudflash import validate
 from cudflash.backends import CudaTuning, get_backend
-from cudflash.chat import ChatTemplate, load_chat_template, validate_messages, validate_tools
+from cudflash.chat import ChatTemplate, chat_prompt_ids, load_chat_template
 from cudflash.config import load_target_config
 from cudflash.draft_config import DraftOptions, apply_draft_options, load_draft_config, validate_pair
 from cudflash.engine.admission import Admission, is_token_ids
@@ -217,7 +217,7 @@ class LLM:
     def _collect(self, seq: Sequence, first_new: int) -> RequestOutput | None:
         """After a step: finish checks, text, and this step's output for the sequence (None: a prefill chunk
         that emitted nothing yet)."""
-        if len(seq.output_ids) == first_new:
+        if len(seq.output_ids) == first_new and not seq.finished:  # (a step may finish one with an error)
             return None
         visible = seq.text_visible
         self._check_finished(seq, first_new)
@@ -360,18 +360,8 @@ class LLM:
                             chat_template_kwargs: dict | None = None, *, documents: list[dict] | None = None,
                             add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
         """One conversation rendered by the model's chat template, as prompt token ids."""
-        if self.tokenizer is None:
-            raise RequestError(f"chat needs a tokenizer: {self.target_cfg.path} has no tokenizer.json "
-                               "(or `pip install tokenizers` is missing)")
-        if self.chat_template is None:
-            raise ConfigError(f"{self.target_cfg.path}: the model has no chat template (no 'chat_template' in "
-                              "tokenizer_config.json, no chat_template.jinja); give plain prompts instead")
-        kwargs = chat_template_kwargs or {}
-        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-            raise RequestError("chat_template_kwargs: expected an object with string keys")
-        text = self.chat_template.render(validate_messages(messages), validate_tools(tools), documents,
-                                         add_generation_prompt, continue_final_message, kwargs)
-        return self.tokenizer.encode(text)  # the template wrote the special tokens; none are added
+        return chat_prompt_ids(self.target_cfg.path, self.chat_template, self.tokenizer, messages, tools,
+                               chat_template_kwargs, documents, add_generation_prompt, continue_final_message)
 
     def chat(self, messages_or_conversations: list[dict] | list[list[dict]],
              params: SamplingParams | Seq[SamplingParams] | None = None, chat_template_kwargs: dict | None = None,

@@ -91,7 +91,7 @@ class DraftProposer:
         h = b.take_rows(runner.draft_forward(batch), rows.draft)  # [n S, H]
         logits = draft.logits(h, runner.target)  # [n S, Vd]
         if draft.selector is None and draft.markov is None:
-            return HeadOutputs(h, draft.to_target(b.argmax(logits)))
+            return HeadOutputs(h, draft.to_target(b.argmax(logits, nonfinite=0)))  # a draft is always a token
         anchors = b.take_rows(batch.ids, rows.anchor)
         if draft.selector is not None:
             scores, cand = draft.selector.lattice(b, logits, h, anchors, rows.pred, draft.to_target)

@@ -36,7 +36,7 @@ from cudflash.engine.proposal import HeadOutputs, HeadRows, Proposal, head_rows
 from cudflash.engine.propose import Proposer
 from cudflash.engine.sampler import VerifyGroup, verify_tokens
 from cudflash.engine.scheduler import StepPlan
-from cudflash.engine.sequence import Sequence
+from cudflash.engine.sequence import Sequence, SequenceStatus
 from cudflash.engine.step_inputs import Chunk, StepTensors, fill, layout_for
 from cudflash.engine.tree import DraftTree, ancestor_masks, pack_bits, words_for
 
@@ -171,7 +171,8 @@ class SpeculativeStep:
         mark("accept")
 
     def accept(self, plan: StepPlan, out: Verified, proposal: Proposal) -> tuple[list, list[list[int]]]:
-        """(first tokens of prompts completed now, per decode: the tokens it emits)."""
+        """(first tokens of prompts completed now, per decode: the tokens it emits). A sequence whose scored rows
+        hold a non-finite logit (argmax -1) emits nothing: `commit` finishes it with an error."""
         groups, first_of = [], []
         for i, (s, n) in enumerate(plan.prefills):
             if completes_prompt(s, n):
@@ -182,9 +183,11 @@ class SpeculativeStep:
             q = proposal.q[j] if proposal.q is not None else None
             tree = proposal.trees[j] if proposal.trees is not None else None
             groups.append(VerifyGroup(s, out.score_first[base + j], proposal.drafts[j], q, tree))
-        emitted = verify_tokens(self.b, out.logits, groups, argmax=out.targets) if groups else []
+        ok = [g for g in groups if (out.targets[g.first_row:g.first_row + len(g.drafts) + 1] >= 0).all()]
+        tokens = dict(zip(map(id, ok), verify_tokens(self.b, out.logits, ok, argmax=out.targets))) if ok else {}
+        emitted = [tokens.get(id(g), []) for g in groups]
         if proposal.trees is not None:
-            self.compact([g for g in groups[len(first_of):]])
+            self.compact([g for g in groups[len(first_of):] if g.path is not None])
         return list(zip(first_of, emitted[:len(first_of)])), emitted[len(first_of):]
 
     def compact(self, groups: list[VerifyGroup]) -> None:
@@ -204,13 +207,23 @@ class SpeculativeStep:
                 self.b.copy_slots(cache, src_i, dst_i)
 
     def commit(self, plan: StepPlan, first: list, emitted: list[list[int]]) -> None:
+        """The accepted tokens become committed; a sequence that emitted nothing (non-finite logits) finishes with
+        an error, and its K/V of this step is never offered to the prefix cache."""
         blocks = self.runner.blocks
+        failed = {s.seq_id for s, tokens in first if not tokens}
+        failed |= {s.seq_id for s, tokens in zip(plan.decodes, emitted) if not tokens}
         for s, n in plan.prefills:
             s.num_cached += n
-            blocks.hash_committed(s)
+            if s.seq_id not in failed:
+                blocks.hash_committed(s)
         for s, tokens in first:
             s.output_ids.extend(tokens)  # a completed prompt's first token
+        for s in [s for s, _ in plan.prefills] + plan.decodes:
+            if s.seq_id in failed:
+                s.status, s.finish_reason = SequenceStatus.FINISHED, "error"
         for s, tokens in zip(plan.decodes, emitted):
+            if not tokens:
+                continue
             s.num_cached += len(tokens)  # the pending token and the accepted drafts are now committed
             s.acceptance_lengths.append(len(tokens))
             s.output_ids.extend(tokens)

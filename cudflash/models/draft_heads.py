@@ -96,7 +96,7 @@ class MarkovHead:
         prev, out = anchors, []
         for e in range(by_slot.shape[0]):
             bias = b.linear(b.embedding(prev, self.w1), self.w2, out_f32=True)  # [n, Vd] float32, as the logits
-            prev = to_target(b.argmax(b.add(b.take_rows(logits, by_slot[e]), bias)))
+            prev = to_target(b.argmax(b.add(b.take_rows(logits, by_slot[e]), bias), nonfinite=0))  # always a token
             out.append(prev)
         return b.take_rows(b.cat(out, axis=0), seq_major)
 

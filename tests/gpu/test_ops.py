@@ -272,6 +272,20 @@ def test_argmax(cb, rng, rows, vocab, dtype):
     assert np.array_equal(got, np.argmax(x, axis=-1).astype(np.int32))
 
 
+@pytest.mark.parametrize("dtype", ["act", "f32"])
+def test_argmax_flags_rows_with_a_non_finite_value(cb, rng, dtype):
+    """A row holding a NaN or an infinity (of either sign, anywhere) gives `nonfinite`, as on the numpy backend;
+    the other rows keep their argmax."""
+    rows, vocab = 6, 151936
+    x = rng.standard_normal((rows, vocab)).astype(np.float32)
+    x[1, 7], x[2, vocab - 1], x[3, 70000], x[4, 12345] = np.nan, np.inf, -np.inf, -np.nan
+    dev = cb.asarray(x, dtype)
+    want = nb.argmax(cb.to_numpy(dev))
+    assert want.tolist()[1:5] == [-1] * 4
+    assert np.array_equal(cb.to_numpy(cb.argmax(dev)), want)
+    assert cb.to_numpy(cb.argmax(dev, nonfinite=0)).tolist() == [v if v >= 0 else 0 for v in want.tolist()]
+
+
 # ----------------------------------------------------------------------------------------------- drafter heads
 BLOCK_CONV_SHAPES = [(2, 320, 5120, 16, 3), (2, 4, 64, 6, 2), (3, 5, 40, 4, 5), (1, 8, 64, 3, 2), (4, 16, 256, 8, 4)]
 
