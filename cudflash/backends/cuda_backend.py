@@ -40,10 +40,6 @@ from cudflash.errors import BackendError
 _NORM_VPT = (1, 2, 4, 8, 16)
 # Whole-tensor tests of bf16 bits, each one fused reduction without a temporary: NaN / Inf have every exponent
 # bit set; +-0 has every bit but the sign clear.
-_ANY_NONFINITE = cupy.ReductionKernel("uint16 x", "bool y", "(x & 0x7F80) == 0x7F80", "a || b", "y = a", "false",
-                                      "cudflash_any_nonfinite_bf16")
-_ANY_NONZERO = cupy.ReductionKernel("uint16 x", "bool y", "(x & 0x7FFF) != 0", "a || b", "y = a", "false",
-                                    "cudflash_any_nonzero_bf16")
 _TYPES = ("bf16", "float")
 _NORM_NAMES = tuple(f"rms_norm<{v}, {a}, {x}, {r}>" for v in _NORM_VPT for a in ("false", "true")
                     for x in _TYPES for r in _TYPES)
@@ -129,10 +125,20 @@ class CudaBackend:
 
     def all_finite(self, x: cupy.ndarray) -> bool:
         """No NaN / Inf in a loaded (bf16) tensor; synchronises."""
-        return not bool(_ANY_NONFINITE(bits(x)))
+        return not self._bf16_flags(x)[0]
 
     def any_nonzero(self, x: cupy.ndarray) -> bool:
-        return bool(_ANY_NONZERO(bits(x)))
+        return self._bf16_flags(x)[1]
+
+    def _bf16_flags(self, x: cupy.ndarray) -> tuple[bool, bool]:
+        """(some element is NaN or +-Inf, some element is nonzero) of a bf16 tensor: one pass (memory.cu)."""
+        flat = cupy.ascontiguousarray(bits(x)).reshape(-1)
+        flags = cupy.zeros(2, dtype=cupy.int32)
+        if flat.size:
+            blocks = min(cdiv(flat.size, THREADS), 65535 * 8)
+            self._kernel("memory", "bf16_flags")((blocks,), (THREADS,), (flat, i64(flat.size), flags))
+        nonfinite, nonzero = flags.get().tolist()
+        return bool(nonfinite), bool(nonzero)
 
     def random(self, shape: tuple[int, ...], std: float, seed: int) -> cupy.ndarray:
         """N(0, std^2) bf16 made on the device (synthetic weights), in float32 chunks of at most 64M values so a

@@ -564,3 +564,22 @@ def test_layer_graph_replay_matches_eager(cb, rng):
         stream.synchronize()
     assert rel_err(cb.to_numpy(out), eager) < 1e-6  # same kernels, same inputs: bit-identical in practice
     assert np.array_equal(cb.to_numpy(ids), eager_ids)
+
+
+@pytest.mark.parametrize("shape", [(3, 1000), (151936, 64), (7,)])
+def test_weight_checks_find_non_finite_and_all_zero_tensors(cb, rng, shape):
+    """all_finite / any_nonzero (the load-time weight checks) against numpy: a planted NaN, +Inf or -Inf anywhere
+    is found; an all-zero tensor (signed zeros included) is found; a random tensor passes both."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    dev = cb.asarray(x, "act")
+    assert cb.all_finite(dev) and cb.any_nonzero(dev)
+    for bad in (np.nan, np.inf, -np.inf):
+        y = x.copy().reshape(-1)
+        y[int(rng.integers(y.size))] = bad
+        assert not cb.all_finite(cb.asarray(y.reshape(shape), "act"))
+    zeros = np.zeros(shape, np.float32)
+    zeros.reshape(-1)[::2] = -0.0
+    assert not cb.any_nonzero(cb.asarray(zeros, "act")) and cb.all_finite(cb.asarray(zeros, "act"))
+    one = zeros.copy().reshape(-1)
+    one[-1] = 1e-30  # a tiny value is still nonzero in bf16 (subnormal bits)
+    assert cb.any_nonzero(cb.asarray(one.reshape(shape), "act")) == bool(cb.to_numpy(cb.asarray(one, "act")).any())
