@@ -17,7 +17,6 @@ from typing import Any, Callable, TextIO
 from cudflash import __version__, validate
 from cudflash.errors import CudflashError, RequestError
 from cudflash.sampling_params import SamplingParams
-from cudflash.server.command import add_serve_arguments, serve
 
 MAX_DIGITS = 40  # longer integers are out of range for every option and field (and stay cheap to reject)
 _INTEGER = re.compile(r"[+-]?[0-9]+")
@@ -502,8 +501,27 @@ def run_generate(args: argparse.Namespace) -> None:
 
 COMMANDS["generate"] = ("generate continuations for prompts (JSON lines out)", add_generate_arguments, run_generate)
 COMMANDS["bench"] = ("time AR and speculative steps (CUDA events on the GPU)", add_bench_arguments, run_bench_command)
+def add_serve_arguments(s: argparse.ArgumentParser) -> None:
+    """The engine's options, as generate takes them, and the server's own."""
+    add_engine_arguments(s)
+    s.add_argument("--host", default="127.0.0.1", type=_text_arg)
+    s.add_argument("--port", type=_int_arg(1, "an integer in 1..65535"), default=8000)
+    s.add_argument("--api-key", default=os.environ.get("CUDFLASH_API_KEY"), type=_text_arg,
+                   help="require 'Authorization: Bearer KEY' on every path but /health (default: $CUDFLASH_API_KEY)")
+    s.add_argument("--served-model-name", type=_text_arg,
+                   help="the model id clients send (default: the target folder's name)")
+    s.add_argument("--max-queued", type=_int_arg(0, "an integer >= 0"), default=256,
+                   help="requests that may wait beyond --max-num-seqs; more are answered 429")
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    from cudflash.server.command import serve  # starlette and uvicorn load only to serve
+
+    serve(args, engine_kwargs(args))
+
+
 COMMANDS["serve"] = ("an OpenAI-compatible HTTP server (needs `pip install cudflash[serve]`)", add_serve_arguments,
-                     serve)
+                     run_serve)
 
 
 def main(argv: list[str] | None = None) -> None:
