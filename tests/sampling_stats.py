@@ -1,11 +1,40 @@
-"""Goodness of fit without scipy: Pearson's chi-square with the Wilson-Hilferty approximation of its tail."""
+"""Goodness of fit without scipy: Pearson's chi-square with the Wilson-Hilferty approximation of its tail; and the
+small model the sampling tests share, with the exact distribution of its first generated tokens."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
 
 from cudflash.engine.sampler import sample, target_probs
+from cudflash.tiny import TinyShape
+
+# A tiny random target with 16 tokens: the exact marginals of its first three tokens are cheap to enumerate.
+VOCAB, PROMPT = 16, [3, 7, 2, 9, 4]
+
+
+def small_shape(block: int) -> TinyShape:
+    return TinyShape(vocab_size=VOCAB, hidden_size=32, num_layers=2, intermediate_size=64, target_layer_ids=[0, 1],
+                     block_size=block, mask_token_id=15, eos_token_id=0)
+
+
+def exact_first_tokens(llm, params) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Exact marginals of the 1st, 2nd and 3rd tokens generated after PROMPT under the target with these params."""
+    from tests.conftest import last_logits
+
+    p1 = target_probs(last_logits(llm, PROMPT), params)
+    p2_given = np.stack([target_probs(last_logits(llm, PROMPT + [a]), params) for a in range(VOCAB)])
+    p3_given = {(a, b): target_probs(last_logits(llm, PROMPT + [a, b]), params)
+                for a, b in itertools.product(range(VOCAB), repeat=2) if p1[a] * p2_given[a, b] > 1e-9}
+    p2 = p1 @ p2_given
+    p3 = sum(p1[a] * p2_given[a, b] * p for (a, b), p in p3_given.items())
+    return p1, p2, p3
+
+
+def first_token_pvalues(tokens: np.ndarray, exact) -> list[float]:
+    """tokens [runs, 3] against exact_first_tokens: one p-value per position."""
+    return [chi_square_pvalue(np.bincount(tokens[:, i], minlength=VOCAB), exact[i]) for i in range(3)]
 
 
 def chi_square_pvalue(observed: np.ndarray, expected_probs: np.ndarray, min_expected: float = 5.0) -> float:

@@ -6,7 +6,6 @@ rule shows); the exact distribution of the first generated tokens is computed fr
 """
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pytest
@@ -15,36 +14,21 @@ import cudflash.engine.sampler as sampler
 from cudflash import LLM, SamplingParams
 from cudflash.engine.propose import HostProposer
 from cudflash.engine.proposal import Proposal
-from cudflash.engine.sampler import target_probs
-from cudflash.tiny import TinyShape, write_random_pair
-from tests.conftest import last_logits
-from tests.sampling_stats import chi_square_pvalue, wrong_rejection_sample
+from cudflash.tiny import write_random_pair
+from tests.sampling_stats import (PROMPT, VOCAB, exact_first_tokens, first_token_pvalues, small_shape,
+                                  wrong_rejection_sample)
 
-VOCAB, BLOCK, RUNS = 16, 4, 3000
-PROMPT = [3, 7, 2, 9, 4]
+BLOCK, RUNS = 4, 3000
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    shape = TinyShape(vocab_size=VOCAB, hidden_size=32, num_layers=2, intermediate_size=64, target_layer_ids=[0, 1],
-                      block_size=BLOCK, mask_token_id=15, eos_token_id=0)
-    return write_random_pair(tmp_path_factory.mktemp("pair"), shape, seed=3)
+    return write_random_pair(tmp_path_factory.mktemp("pair"), small_shape(BLOCK), seed=3)
 
 
 def _llm(pair, block):
     target, draft = pair
     return LLM(target, draft=draft, backend="cpu", block_size=block, max_num_seqs=256, kv_block_size=8)
-
-
-def exact_first_tokens(llm, params: SamplingParams) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Exact marginals of the 1st, 2nd and 3rd generated tokens under the target with these params."""
-    p1 = target_probs(last_logits(llm, PROMPT), params)
-    p2_given = np.stack([target_probs(last_logits(llm, PROMPT + [a]), params) for a in range(VOCAB)])
-    p3_given = {(a, b): target_probs(last_logits(llm, PROMPT + [a, b]), params)
-                for a, b in itertools.product(range(VOCAB), repeat=2) if p1[a] * p2_given[a, b] > 1e-9}
-    p2 = p1 @ p2_given
-    p3 = sum(p1[a] * p2_given[a, b] * p for (a, b), p in p3_given.items())
-    return p1, p2, p3
 
 
 def greedy_oracle(llm):
@@ -70,8 +54,7 @@ def sample_first_tokens(llm, params: SamplingParams) -> tuple[np.ndarray, float]
     return np.array([o.token_ids[:3] for o in outs]), float(np.mean(steps))
 
 
-def _pvalues(tokens: np.ndarray, exact) -> list[float]:
-    return [chi_square_pvalue(np.bincount(tokens[:, i], minlength=VOCAB), exact[i]) for i in range(3)]
+_pvalues = first_token_pvalues
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=6),

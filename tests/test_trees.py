@@ -4,7 +4,6 @@ dense references, greedy output == autoregressive output exactly, and sampled ou
 from __future__ import annotations
 
 import itertools
-import json
 import statistics
 
 import numpy as np
@@ -16,12 +15,10 @@ from cudflash.backends.base import AttentionMeta
 from cudflash.backends.numpy_backend import NumpyBackend
 from cudflash.engine.propose import HostProposer
 from cudflash.engine.proposal import Proposal
-from cudflash.engine.sampler import target_probs
 from cudflash.engine.tree import DraftTree, ancestor_masks, build_lattice_tree, build_tree, pack_bits, walk, words_for
 from cudflash.errors import ConfigError
 from cudflash.tiny import TinyHeads, TinyShape, write_random_pair
-from tests.conftest import last_logits
-from tests.sampling_stats import chi_square_pvalue
+from tests.sampling_stats import PROMPT, VOCAB, exact_first_tokens, first_token_pvalues, small_shape
 
 nb = NumpyBackend()
 
@@ -175,15 +172,12 @@ def test_tree_budget_is_refused_where_it_cannot_run(pair, tmp_path):
 
 # ------------------------------------------------------------------------------------------------ sampling
 
-VOCAB, BLOCK, RUNS = 16, 4, 3000
-PROMPT = [3, 7, 2, 9, 4]
+BLOCK, RUNS = 4, 3000
 
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
-    shape = TinyShape(vocab_size=VOCAB, hidden_size=32, num_layers=2, intermediate_size=64, target_layer_ids=[0, 1],
-                      block_size=BLOCK, mask_token_id=15, eos_token_id=0)
-    return write_random_pair(tmp_path_factory.mktemp("small"), shape, seed=3)
+    return write_random_pair(tmp_path_factory.mktemp("small"), small_shape(BLOCK), seed=3)
 
 
 class WideTree(HostProposer):
@@ -214,12 +208,7 @@ def _first_tokens(llm, params: SamplingParams) -> np.ndarray:
 
 
 def _pvalues(llm, tokens: np.ndarray, params: SamplingParams) -> list[float]:
-    p1 = target_probs(last_logits(llm, PROMPT), params)
-    p2 = np.stack([target_probs(last_logits(llm, PROMPT + [a]), params) for a in range(VOCAB)])
-    p3 = sum(p1[a] * p2[a, b] * target_probs(last_logits(llm, PROMPT + [a, b]), params)
-             for a, b in itertools.product(range(VOCAB), repeat=2) if p1[a] * p2[a, b] > 1e-9)
-    exact = (p1, p1 @ p2, p3)
-    return [chi_square_pvalue(np.bincount(tokens[:, i], minlength=VOCAB), exact[i]) for i in range(3)]
+    return first_token_pvalues(tokens, exact_first_tokens(llm, params))
 
 
 def _tree_llm(small):

@@ -30,7 +30,7 @@ its prediction is not computed. DSpark options, both off by default (then every 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 

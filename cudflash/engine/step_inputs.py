@@ -92,7 +92,7 @@ def fill(packed: np.ndarray, layout: StepLayout, chunks: Seq[Chunk], block_size:
 
     This runs on every step while the device waits, so the small fields go through one Python list and one slice
     assignment rather than a numpy call per field and per sequence."""
-    n, q, max_blocks = layout.seqs, layout.q, layout.max_blocks
+    n, max_blocks = layout.seqs, layout.max_blocks
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
