@@ -242,7 +242,8 @@ def test_example_runs_on_a_fresh_checkout(tmp_path):
     example = Path(__file__).resolve().parents[1] / "examples" / "generate.py"
     r = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "tiny pair" in r.stderr  # says which models it used
+    trained = (example.parents[1] / ".." / "shared" / "models" / "tiny-code-pair" / "target" / "config.json").is_file()
+    assert ("using the trained tiny pair" if trained else "wrote a tiny random pair") in r.stderr  # says what it used
     lines = dict(line.split(":", 1) for line in r.stdout.splitlines() if ":" in line and not line.startswith(" "))
     assert lines["backend"].split()[0] in ("cpu", "cuda")
     assert lines["tokens"].split()[0] == "64"
