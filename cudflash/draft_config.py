@@ -233,7 +233,8 @@ def _layer_windows(cfg: dict, dcfg: dict, path: str, num_layers: int) -> list[in
     Two dialects: `layer_types` with the model's `sliding_window`; or (DSpark / MiMo exports) `use_swa` with
     `swa_window_size`, which covers the layers `layer_types` marks sliding, or every layer where there is no
     `layer_types` (as TensorRT-LLM's DSpark loader reads it). A drafter trained with its window loses most of its
-    acceptance without it (seed_lineage.md), so a window that is asked for and cannot be resolved is an error."""
+    acceptance without it (docs/drafters.md, section 5), so a window that is asked for and cannot be resolved is an
+    error."""
     swa = None
     if _nested_bool(dcfg, cfg, ("use_swa",), path, default=False):
         swa = _nested_int(dcfg, cfg, "swa_window_size", path, default=None, minimum=1, maximum=MAX_POSITIONS)

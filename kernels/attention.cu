@@ -14,21 +14,21 @@
 //   query row computes the same bits whatever the batch, the other rows or the grid; decode and verify use it)
 //   or the z-th share of the n tiles the row tile needs, n / nsplit or one more, the larger shares first (split_tiles
 //   == 0: prefill, and decode or verify past the row-invariant shape). Splits left empty (n < nsplit) are then the
-//   grid's last CTAs, the ones that become resident last while a GEMM's CTAs still hold the SMs: at 9 tiles over
-//   16 splits, interleaved empty shares put the last three tiles there (Qwen3-8B decode, H200: AR 4.33 -> 4.27 ms).
+//   grid's last CTAs, the ones that become resident last while a GEMM's CTAs still hold the SMs, so no real tile
+//   waits for a late slot.
 // Block: 128 threads = 4 warps arranged WM (rows) x WN (keys). Warp (wm, wn) owns packed rows
 //   16 wm .. 16 wm + 15 and keys wn * BN / WN .. of every BN-key tile, with its own running (max, sum, O);
 //   when WN > 1 (query runs too short to give every warp its own rows) the warps' partial states are merged
 //   through shared memory at the end. All 128 threads stream K/V tiles with cp.async, double-buffered.
 // Shared memory: Q [BM][D], K [2][BN][D], V [2][BN][D], rows of D bf16 stored as 16-byte chunks XOR-swizzled
-//   by (row & 7), so ldmatrix reads and cp.async writes are free of bank conflicts. (Four K/V stages in
-//   flight instead of two measured no faster.)
+//   by (row & 7), so ldmatrix reads and cp.async writes are free of bank conflicts. (Two stages: more in flight
+//   do not help, a CTA is bound by its per-SM load rate.)
 // Output: nsplit == 1 writes bf16 out directly; otherwise each split writes its normalised float32 partial
 //   o_part [nsplit, T, Hq, D] and log2-sum-exp lse_part [nsplit, T, Hq], and attn_combine merges them in
 //   split order, skipping splits that saw no key. One visible split merges to the exact bits of the
 //   nsplit == 1 path (weight 1, sum 1), so a row's result does not depend on how many splits the grid has.
-//   (A merge by the last CTA of each row tile, in this kernel, measured slower: it serialises the merge of
-//   64-row tiles on a few CTAs, +0.35 ms per Qwen3-8B verify step at 1024 keys.)
+//   (The merge stays a separate kernel: merging in the last CTA of each row tile serialises the merge of 64-row
+//   tiles on a few CTAs.)
 #include "mma.cuh"
 
 #define ATTN_BN 64
@@ -136,9 +136,8 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
     float m_r[2] = {-CF_INF, -CF_INF};  // running max of this thread's two rows (log2 domain)
     float l_r[2] = {0.f, 0.f};          // running sum, partial over this thread's columns
 
-    // The leading tiles (at most the two buffers) that hold old keys only are requested before the wait. (The old
-    // rows of the tile where the new keys start, requested early too, measured AR -0.00-0.03 ms against verify
-    // +0.01-0.02: what goes out before the wait competes with the kernel in front.)
+    // The leading tiles (at most the two buffers) that hold old keys only are requested before the wait; the tile
+    // where the new keys start waits, because what goes out before the wait competes with the kernel in front.
     const int pre = min(2, max(0, min(t_end, pos0 / BN) - t_beg));
     for (int i = 0; i < pre; ++i) load_kv(t_beg + i, i);
     pdl_wait();

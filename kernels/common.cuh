@@ -107,8 +107,8 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
 }
 
 // SwiGLU of one feature, silu(gate) * up, in float32. The swiglu kernel and the gate_up GEMM's epilogue both call
-// this, so the two paths of a row give the same bits. (An IEEE division: __fdividef, measured faster in the
-// epilogue, cost two of the tiny pair's 32 golden outputs and broke a verify row's equality with its decode.)
+// this, so the two paths of a row give the same bits. (An IEEE division, not __fdividef: the approximate one
+// changes enough bits to break a verify row's equality with its decode.)
 __device__ __forceinline__ float swiglu_value(float gate, float up) {
     return gate / (1.f + __expf(-gate)) * up;
 }

@@ -20,9 +20,8 @@
 // the latency-bound kernels in front for HBM: the tuning's stream_gemm_prefill_stages.)
 // Resident x (XRES, few rows): x's rows are copied once into shared memory after the wait (one bulk copy per row,
 // rows padded by 16 bytes so ldmatrix's eight rows hit eight bank groups) and the ring holds weight boxes only,
-// as many stages as with boxes (more measured slower in a decode step while the whole ring was the prefill: a
-// larger prefill slows the latency-bound kernels in front). Per stage that saves the x boxes' copies: on the H200, with M = 1, 1-2 us of a Qwen3-8B GEMM
-// after its release. The MMAs and their order are the same, so are the bits.
+// as many stages as with boxes. Per stage that saves the x boxes' copies, which each stage would otherwise wait
+// for. The MMAs and their order are the same, so are the bits.
 // Compute: swapped mma.m16n8k16: A = 16 weight rows, B = 8 tokens (NT token tiles), so y^T tile = W . x^T.
 // Compute warp c takes columns [c KT/4, (c + 1) KT/4) of every stage for all T row tiles; at the end of a block
 // the four partials are added in the order c = 0, 1, 2, 3 through shared memory. The float32 summation order
@@ -213,9 +212,9 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     const unsigned b_res = xs + ((lane & 7) < M ? (lane & 7) : 0) * xrow + b_half * 16;
     if constexpr (XRES) mbar_wait(xbar, 0);
     // SG_ADD_NORM, warp 0: the block's residual and norm weight, requested when the block starts and used at its
-    // end (XRES: read where they are used: requested at the start, they cost 2 us per GEMM with x resident on the
-    // H200, while at the end they cost a 16-row verify 0.2 ms); the running sums of r^2 of this lane's rows
-    // m = 8 n + 2 c + e over all of the CTA's blocks.
+    // end (XRES: read where they are used, since with x resident the MMA steps would wait for the early loads;
+    // with x in boxes the early loads are cheaper than exposed ones at the end); the running sums of r^2 of this
+    // lane's rows m = 8 n + 2 c + e over all of the CTA's blocks.
     float res[EPI == SG_ADD_NORM ? T : 1][NT][4], nw[EPI == SG_ADD_NORM ? T : 1][2], ss[NT][2] = {};
 
     for (int i = 0; i < total; ++i) {

@@ -3,7 +3,8 @@
 Times variants of kernels/attention.cu (tile compute removed, K/V copies removed, exp2 removed), each compiled from
 its own copy of the kernel folder (the tuning's kernel_dir), at 1 and 8 key tiles, one split (the fast launch shape
 at one SM: `invariant_max_context=0`, `num_sms=1`), one query row, head_dim 128, 8 KV heads, in CUDA graphs of 20
-copies. Usage on a GPU machine: python3 scripts/attention_anatomy.py (numbers in BENCHMARKS.md, session 3).
+copies. Usage on a GPU machine: python3 scripts/attention_anatomy.py (numbers:
+docs/history/benchmarks-sessions-1-11.md, session 3).
 Breaks loudly (assert) if the kernel text it edits has changed.
 """
 import tempfile

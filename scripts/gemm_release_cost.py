@@ -5,7 +5,6 @@ run; what the step pays for the GEMM is the time from its release (the kernel in
 completion. This measures that in isolation: a graph of [spin kernel (one CTA, PDL, spins SPIN_US then writes x),
 GEMM] against a graph of the spin alone, with four weights in turn so that none stays in L2. The difference is the
 GEMM's cost after release, completion included; the floor is its weight bytes at 4.25 TB/s.
-Used in session 9 to find the per-stage cost of x's boxes at M = 1 (BENCHMARKS.md).
 Usage: PYTHONPATH=$PWD python3 scripts/gemm_release_cost.py [NAME=VALUE ...]
   NAME=VALUE: a field of the CUDA backend's tuning, as `cudflash bench --tune` takes it, e.g.
   stream_gemm_prefill_stages=0 or kernel_dir=/tmp/base/kernels

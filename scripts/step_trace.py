@@ -104,8 +104,8 @@ class Position:
 
 def layer_means(ordered: list[Launch], gemms_per_layer: int = 4) -> tuple[int, list[Position]]:
     """Launches ordered by release (`spans`) cut into layers at every gemms_per_layer-th stream GEMM; each position
-    averaged over the layers of the most common launch sequence (one layer's sample varies by 0.5-1 us per kernel
-    on the H200). Returns (layers averaged, positions); (0, []) with fewer than two whole layers."""
+    averaged over the layers of the most common launch sequence (one layer's sample is too noisy to read alone).
+    Returns (layers averaged, positions); (0, []) with fewer than two whole layers."""
     gemms = [i for i, x in enumerate(ordered) if x.name.startswith("stream_gemm")]
     cuts = gemms[::gemms_per_layer]
     layers = [ordered[a:b] for a, b in zip(cuts, cuts[1:])]

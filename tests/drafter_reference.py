@@ -1,4 +1,4 @@
-"""An independent transcription of the drafter formulas (seed_lineage.md, section 3) in plain numpy, for tests.
+"""An independent transcription of the drafter formulas (docs/drafters.md) in plain numpy, for tests.
 
 Nothing here calls the engine's model or proposer code: the target and drafter forwards are written out from
 the Hugging Face / z-lab definitions, over the whole context at once (no paged cache), and the heads from the

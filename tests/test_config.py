@@ -263,7 +263,7 @@ def test_unsupported_target_features(tmp_path):
 # ----------------------------------------------------------------------------------------- drafters
 
 def zlab_qwen3_4b_drafter() -> dict:
-    """The z-lab config format, verbatim from the reference report (Qwen3-4B-DFlash-b16)."""
+    """The published z-lab/Qwen3-4B-DFlash-b16 config.json (docs/drafters.md, 'Released configs')."""
     return {
         "architectures": ["DFlashDraftModel"], "attention_bias": False, "attention_dropout": 0.0,
         "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "block_size": 16, "bos_token_id": 151643,
@@ -493,7 +493,7 @@ def test_use_swa_dialect_sets_the_windows(tmp_path):
 # ------------------------------------------------------------------- DFlash2 / DSpark dialects
 
 def zlab_dflash2_27b() -> dict:
-    """z-lab/Qwen3.8-27B-DFlash2 (seed_lineage.md 4.2)."""
+    """z-lab/Qwen3.8-27B-DFlash2 (docs/drafters.md, 'Released configs')."""
     return {
         "architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "hidden_size": 5120, "num_hidden_layers": 5,
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 17408,

@@ -10,11 +10,9 @@ makes greedy speculative output equal autoregressive output on the GPU (rounding
 is a 16-row tile whose four warps split the keys of each K/V tile (WN=4) and merge at the end, and a split of
 the key range fixed by key position: split z holds keys [z * BN, (z + 1) * BN), one K/V tile, the most parallel
 choice, and the merge kernel adds the splits in order (splits that saw no key of a row drop out exactly).
-Its price grows with the context: a verify pass reads each K/V tile once per 16 packed rows rather than once
-per 64, and writes a float32 partial per 64-key split. On the H200 (Qwen3-8B, batch 1) a verify step on it
-took about 0.9 ms longer than on the fast shape at a 2048-key bucket (BENCHMARKS.md), so only buckets up to
-invariant_max_context take it; longer contexts go the fast way and agree with decoding up to bf16 rounding
-instead of bit for bit.
+Its price grows with the context (a verify pass reads each K/V tile once per 16 packed rows rather than once
+per 64, and writes a float32 partial per 64-key split), so only buckets up to invariant_max_context take it;
+longer contexts go the fast way and agree with decoding up to bf16 rounding instead of bit for bit.
 
 Prefill and the drafter (many rows, or non-causal) pick the shape for speed:
 - many rows: 64-row tiles, each warp owns 16 rows (WM=4, WN=1);
@@ -106,9 +104,9 @@ def context_bucket(n: int) -> int:
 
 def choose_splits(base_ctas: int, max_context: int, slots: int) -> int:
     """How many CTAs share one key range: fill the resident slots once (a second, mostly idle wave costs more
-    than it saves), each split keeping at least one K/V tile. (Since attention asks for its old-key tiles before
-    waiting on the kernel in front, a split of one or two tiles has all its K/V in flight before q exists: at
-    batch 1, 1024-key bucket, 16 one-tile splits measured 4.58 ms per Qwen3-8B verify against 4.68 for 8.)
+    than it saves), each split keeping at least one K/V tile. (Attention asks for its old-key tiles before waiting
+    on the kernel in front, so a split of one or two tiles has all its K/V in flight before q exists, and one-tile
+    splits are the fastest.)
 
     Callers pass the bucketed batch and context (batch_bucket, context_bucket), as a CUDA graph captured for
     that bucket must: eager and graphed execution then split alike and round alike."""

@@ -2,22 +2,20 @@
 (kernels/stream_gemm.cu).
 
 At a few rows a bf16 GEMM reads its weight once and does little else. cuBLAS's kernels for it cannot be launched
-with programmatic dependent launch (they never wait on the grid dependency: given a programmatic edge they read
-stale inputs, measured), so inside a captured step each one starts only after the kernel in front has drained,
+with programmatic dependent launch (they never wait on the grid dependency, so behind a programmatic edge they
+would read stale inputs), so inside a captured step each one starts only after the kernel in front has drained,
 and the latency-bound kernels between GEMMs (norms, RoPE, attention) leave HBM idle. This kernel is launched
 with PDL: its CTAs sit resident behind those kernels and request their first weight tiles into a shared-memory
 ring before waiting for x. The tiles come in by TMA (tensor maps encoded here through the driver), a few large
-copies per stage: row-by-row bulk copies of the same bytes measured 3x slower than cuBLAS, bound by the copy
-count.
+copies per stage, because a copy per weight row is bound by the number of copies, not by bytes.
 
 The launch plan (`plan_for`) depends on (N, K) and the device alone, never on M, so every output row's float32
 summation order is the same at any M: a verify pass computes the bits of the decode passes of its rows.
 
 A few rows of x (a decode step at batch 1: one row of 8-24 KiB) are copied into shared memory once, after the wait,
 instead of in boxes beside every weight stage (`resident_x_bytes`): the ring then holds weight alone, in as many
-stages as before (a deeper ring measured slower, when the whole ring was still requested before the wait: its
-larger prefill competes with the latency-bound kernels in front, which the tuning's stream_gemm_prefill_stages caps
-since). Only where x's bytes come from changes, not the MMAs or their order, so the bits are the same either way.
+stages as with boxes: the ring's depth is not what limits the GEMM. Only where x's bytes come from changes, not the
+MMAs or their order, so the bits are the same either way.
 
 Two epilogues remove the RMSNorm launches between a layer's GEMMs (`Epilogue`): the GEMM in front of a norm
 (o_proj, down) adds the residual and writes `norm_w * r` with its partial sums of r^2, and the GEMM after it

@@ -22,8 +22,8 @@ whichever step computes that position before anything reads it), and anything th
 ordered after it on the stream. The scheduler reserves that slot (Scheduler's lookahead).
 
 Rules kept here: every buffer a graph touches is allocated before capture or during capture from a memory pool
-private to that step's graphs, and is kept alive with them (two steps sharing a pool corrupted each other's outputs:
-an illegal address); each shape is run once eagerly before capture so that kernels are compiled and cuBLAS has
+private to that step's graphs, and is kept alive with them (graphs of two steps sharing a pool overwrite each
+other's live outputs); each shape is run once eagerly before capture so that kernels are compiled and cuBLAS has
 chosen its algorithms (the warm-ups write the KV slots the replay writes next, with the same values); nothing inside
 a capture copies between host and device or synchronises.
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import Any, Callable, TextIO
 
 import numpy as np
 
@@ -27,20 +27,40 @@ from cudflash.rope import device_rope_tables
 
 
 class LoadProgress:
-    """A one-line progress indication on stderr while weights move to the backend."""
+    """Progress on stderr while weights move to the backend: one line rewritten in place on a terminal (at most every
+    `tty_interval` seconds); elsewhere (a log file, a pipe) plain lines at most every `interval` seconds, so a log
+    holds no carriage returns. The last line (100%) is always printed."""
 
-    def __init__(self, label: str, total_bytes: int, enabled: bool):
+    def __init__(self, label: str, total_bytes: int, enabled: bool, out: TextIO | None = None,
+                 interval: float = 5.0, tty_interval: float = 0.5, clock: Callable[[], float] = time.perf_counter):
         self.label, self.total, self.done, self.enabled = label, max(total_bytes, 1), 0, enabled
-        self.start = self.last = time.perf_counter()
+        self.out = out  # None: sys.stderr as it is when a line is printed
+        self.interval, self.tty_interval, self.clock = interval, tty_interval, clock
+        self.start = self.last = clock()
 
     def __call__(self, nbytes: int) -> None:
         self.done += nbytes
-        now = time.perf_counter()
-        if self.enabled and (now - self.last > 0.5 or self.done >= self.total):
-            self.last = now
-            print(f"\rloading {self.label}: {100 * self.done / self.total:5.1f}% "
-                  f"({self.done / 1e9:.2f} / {self.total / 1e9:.2f} GB, {now - self.start:.1f} s)",
-                  end="\n" if self.done >= self.total else "", file=sys.stderr, flush=True)
+        if not self.enabled:
+            return
+        out = self.out if self.out is not None else sys.stderr
+        tty = _is_terminal(out)
+        now, finished = self.clock(), self.done >= self.total
+        if not finished and now - self.last <= (self.tty_interval if tty else self.interval):
+            return
+        self.last = now
+        line = (f"loading {self.label}: {100 * self.done / self.total:5.1f}% "
+                f"({self.done / 1e9:.2f} / {self.total / 1e9:.2f} GB, {now - self.start:.1f} s)")
+        if tty:
+            print(f"\r{line}", end="\n" if finished else "", file=out, flush=True)
+        else:
+            print(line, file=out, flush=True)
+
+
+def _is_terminal(out: TextIO) -> bool:
+    try:
+        return out.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
 
 
 def _loader(ckpt: Checkpoint, backend: Backend, label: str, progress: bool, check_weights: bool) -> WeightLoader:

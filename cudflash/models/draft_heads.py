@@ -1,4 +1,4 @@
-"""The heads DFlash's descendants add to its backbone (definitions: docs/research/seed_lineage.md, section 3).
+"""The heads DFlash's descendants add to its backbone (definitions: docs/drafters.md, sections 2 and 3).
 
 - `DynamicConv` (DFlash2): a grouped dynamic depthwise convolution along the block's rows around each
   sublayer. `prepare` runs on the normed sublayer input: one GEMM gives the dynamic coefficients of both

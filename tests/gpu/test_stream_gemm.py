@@ -146,7 +146,7 @@ def test_stream_gemm_in_a_graph_reads_x_after_its_producer(cb, rng, m):
 def test_plans_cover_the_weight_one_cta_per_sm(n, k):
     """Every plan covers all N rows with at most one CTA per SM, holds at least two ring stages, and asks for more
     than half an SM's shared memory: under PDL a grid launched early would otherwise put two CTAs on the SMs free
-    at that moment and stream at half speed there (measured: +1 ms per Qwen3-8B decode step)."""
+    at that moment and stream at half speed there."""
     for num_sms in (132, 114, 78):
         plan = sg.plan_for(n, k, num_sms)
         blocks = -(-n // (16 * plan.t))
