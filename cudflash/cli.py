@@ -1,5 +1,5 @@
-"""The `cudflash` command: `generate` and `bench`. Every option and every line of a prompts file is checked before
-the model loads; user errors print one line, `cudflash: error: ...`, and exit 2, never a traceback.
+"""The `cudflash` command: `generate`, `serve` and `bench`. Every option and every line of a prompts file is checked
+before the model loads; user errors print one line, `cudflash: error: ...`, and exit 2, never a traceback.
 """
 from __future__ import annotations
 

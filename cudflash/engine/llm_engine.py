@@ -74,7 +74,7 @@ class LLM:
             raise ConfigError(f"check_weights must be true or false, got {check_weights!r}")
         self.draft_cfg = load_draft_config(draft) if draft is not None else None
         self.tokenizer = load_tokenizer(target)
-        # Drafting choices (sliding-window override, DSpark confidence cut / adaptive verify): lossless, off by default.
+        # Drafting choices (DraftOptions: drafter windows, DSpark cuts, draft trees): lossless, off by default.
         self.draft_options = DraftOptions(**draft_options) if isinstance(draft_options, dict) else draft_options
         if self.draft_options is not None and self.draft_cfg is None:
             raise ConfigError("draft options need a drafter (--draft)")
