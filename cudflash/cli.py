@@ -122,8 +122,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="X", help="with --adaptive-verify: cost of one verified token relative to a step's fixed "
                                      "cost")
     p.add_argument("--tree-budget", type=_int_arg(1, "an integer >= 1"), metavar="N",
-                   help="verify a tree of up to N drafts per step (DDTree; DFlash / DFlash2 drafters; cpu backend for "
-                        "now) instead of one path")
+                   help="verify a tree of up to N drafts per step (DDTree; DFlash / DFlash2 drafters; on the GPU "
+                        "without CUDA graphs for now) instead of one path")
     p.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--max-num-seqs", type=_int_arg(1, "an integer >= 1"), default=64,
                    help="sequences in flight at once")

@@ -4,7 +4,9 @@
 // Layout: q [T, Hq * D] bf16 with row stride sq (elements); out [T, Hq * D] bf16 contiguous;
 //   k_cache, v_cache [num_blocks, block_size, Hk, D] bf16; cu_seqlens int32 [n + 1]; context_lens int32 [n];
 //   block_tables int32 [n, max_blocks]. Query row i of sequence s sits at position ctx_s - qlen_s + i and sees
-//   key j iff j < ctx_s, (causal: j <= pos) and (window > 0: j > pos - window).
+//   key j iff j < ctx_s, (causal: j <= pos) and (window > 0: j > pos - window); for a draft tree (tree_words > 0
+//   and tree_seq[s]: its rows sit at consecutive cache positions pos0 = ctx_s - qlen_s ..), a key j >= pos0 only if
+//   bit j - pos0 of the row's tree_mask [T, tree_words] int32 is set (its ancestors and itself, engine/tree.py).
 // Packed GQA: the G = Hq / Hk query heads that share KV head h become rows of one problem: packed row r of
 //   (s, h) is query token r / G, head h * G + r % G. One CTA's K/V tile serves all G heads (read once).
 // Grid: x = tile of BM = 16 * WM packed rows (reversed, so the heaviest causal tiles start first),
@@ -56,7 +58,8 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
          const bf16* __restrict__ v_cache, const int* __restrict__ cu_seqlens, const int* __restrict__ context_lens,
          const int* __restrict__ block_tables, int max_blocks, int block_size, int Hq, int Hk, float scale,
          int causal, int window, int nsplit, int split_tiles, int T, bf16* __restrict__ out,
-         float* __restrict__ o_part, float* __restrict__ lse_part) {
+         float* __restrict__ o_part, float* __restrict__ lse_part, const int* __restrict__ tree_seq,
+         const int* __restrict__ tree_mask, int tree_words) {
     // Programmatic dependent launch, split in two: the metadata (staged before the step's first kernel) and the
     // K/V of keys before the first query position (written by earlier steps, never by this forward) may be read
     // before griddepcontrol.wait; q and the new tokens' K/V (the kernel in front writes them) only after it.
@@ -111,6 +114,10 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
     const int ra = m0 + wm * 16 + g8;         // this thread's two packed rows: ra and ra + 8
     const int pa = pos0 + ra / G, pb = pos0 + (ra + 8) / G;
     const float sl2 = scale * LOG2E;
+    // A draft tree's rows: the masks of this thread's two rows (rows past the sequence's read its last one's).
+    const bool tree = tree_words > 0 && tree_seq[s] != 0;
+    const int* mask_a = tree_mask + (long long)(q0 + min(ra / G, qlen - 1)) * tree_words;
+    const int* mask_b = tree_mask + (long long)(q0 + min((ra + 8) / G, qlen - 1)) * tree_words;
 
     auto load_kv = [&](int tile, int buf) {
         const int kv0 = tile * BN;
@@ -185,7 +192,7 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
 
         // Scale into the log2 domain and mask (only tiles that touch a boundary pay for the compares).
         const bool need_mask = (kv0 + BN > ctx) || (causal && kv0 + BN - 1 > p_lo) ||
-                               (window > 0 && kv0 <= p_hi - window);
+                               (window > 0 && kv0 <= p_hi - window) || (tree && kv0 + BN > pos0);
         float mx[2] = {-CF_INF, -CF_INF};
 #pragma unroll
         for (int i = 0; i < NS; ++i) {
@@ -195,7 +202,11 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
                 if (need_mask) {
                     const int j = kv0 + wn * KW + i * 8 + 2 * t4 + (e & 1);
                     const int p = e < 2 ? pa : pb;
-                    const bool vis = j < ctx && (!causal || j <= p) && (window <= 0 || j > p - window);
+                    bool vis = j < ctx && (!causal || j <= p) && (window <= 0 || j > p - window);
+                    if (tree && vis && j >= pos0) {
+                        const int bit = j - pos0;
+                        vis = ((e < 2 ? mask_a : mask_b)[bit >> 5] >> (bit & 31)) & 1;
+                    }
                     v = vis ? v : -CF_INF;
                 }
                 sacc[i][e] = v;

@@ -45,14 +45,14 @@ class DeviceMeta:
     cu_seqlens: cupy.ndarray  # int32 [n + 1]
     context_lens: cupy.ndarray  # int32 [n]
     block_tables: cupy.ndarray  # int32 [n, max_blocks]
+    tree_seq: cupy.ndarray | None = None  # int32 [n] (draft trees, AttentionMeta.tree_seq)
+    tree_mask: cupy.ndarray | None = None  # int32 [T, W]
 
 
 def upload_meta(meta: AttentionMeta) -> DeviceMeta:
-    return DeviceMeta(
-        cupy.asarray(np.ascontiguousarray(meta.cu_seqlens_q, dtype=np.int32)),
-        cupy.asarray(np.ascontiguousarray(meta.context_lens, dtype=np.int32)),
-        cupy.asarray(np.ascontiguousarray(meta.block_tables, dtype=np.int32)),
-    )
+    up = lambda a: None if a is None else cupy.asarray(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
+    return DeviceMeta(up(meta.cu_seqlens_q), up(meta.context_lens), up(meta.block_tables), up(meta.tree_seq),
+                      up(meta.tree_mask))
 
 
 def _layouts(d: int) -> tuple[str, ...]:
@@ -156,10 +156,15 @@ def attention(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, met
         lse_part = cupy.empty((nsplit, t, hq), dtype=cupy.float32)  # per-split log2-sum-exp
     else:
         o_part = lse_part = cupy.empty((1,), dtype=cupy.float32)  # unused placeholders
+    tree_words = meta.tree_mask.shape[1] if meta.tree_mask is not None else 0
+    if tree_words and dm.tree_mask is None:
+        raise BackendError("cuda attention: draft-tree masks are on the host only (prepare_meta did not upload them)")
     kern((qtiles, n * hk, nsplit), (THREADS,),
          (q, i64(sq), k_cache, v_cache, dm.cu_seqlens, dm.context_lens, dm.block_tables,
           i32(dm.block_tables.shape[1]), i32(block_size), i32(hq), i32(hk), f32(scale), i32(1 if causal else 0),
-          i32(max(0, int(window))), i32(nsplit), i32(split_tiles), i32(t), out, o_part, lse_part),
+          i32(max(0, int(window))), i32(nsplit), i32(split_tiles), i32(t), out, o_part, lse_part,
+          dm.tree_seq if tree_words else dm.cu_seqlens, dm.tree_mask if tree_words else dm.cu_seqlens,
+          i32(tree_words)),
          shared_mem=smem)
     if nsplit > 1:
         rows = t * hq

@@ -91,8 +91,6 @@ class LLM:
                               f"sequences of block {self.block_size}")
         self.backend = get_backend(backend, tuning)  # tuning: the cuda backend's (backends/tuning.py)
         tree = self.draft_options.tree_budget if self.draft_options is not None else None
-        if tree is not None and self.backend.name != "cpu":
-            raise ConfigError("tree verification (tree_budget) runs on the cpu backend only, for now")
         # Rows a decoding sequence computes per verify, and the lookahead slots it holds: its block, or its tree's
         # root and nodes (engine/tree.py), whichever is more.
         verify_rows = tree + 1 if tree is not None else self.block_size
@@ -104,7 +102,9 @@ class LLM:
                                   check_weights=check_weights)
         self.runner.blocks.enable_prefix_caching = enable_prefix_caching
         proposer = make_proposer(self.runner, self.draft_options) if self.runner.draft is not None else None
-        self.engine = self._make_step(proposer, graphs=self.backend.name == "cuda" and not enforce_eager)
+        # Draft trees run op by op on the GPU for now: the graphs capture fixed-width blocks only.
+        self.engine = self._make_step(proposer, graphs=self.backend.name == "cuda" and not enforce_eager
+                                      and tree is None)
         # Plain decoding replayed from graphs queues each next step ahead: it needs a slot one position further on.
         ahead = self.engine.graphs is not None and self.engine.graphs.pipeline and self.block_size == 1
         self.scheduler = Scheduler(self.runner.blocks, verify_rows, max_num_seqs, max_num_batched_tokens,

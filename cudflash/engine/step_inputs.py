@@ -168,11 +168,12 @@ class StepTensors:
         max_q = lay.q if drafter else int(np.max(np.diff(host_cu)))
         meta = AttentionMeta(host_cu, self._view(h, "context")[first:], self._tables(h)[first:], max_q,
                              self.max_context)
+        on_device = [self._view(d, cu), self._view(d, "context")[first:], self._tables(d)[first:]]
         if lay.tree_words and not drafter:
-            meta.tree_seq = h[lay.tree_seq_at:lay.tree_mask_at]
-            meta.tree_mask = h[lay.tree_mask_at:lay.tables_at].reshape(lay.rows, lay.tree_words)
-        return backend.prepare_meta(meta, (self._view(d, cu), self._view(d, "context")[first:],
-                                           self._tables(d)[first:]))
+            tree = (slice(lay.tree_seq_at, lay.tree_mask_at), slice(lay.tree_mask_at, lay.tables_at))
+            meta.tree_seq, meta.tree_mask = h[tree[0]], h[tree[1]].reshape(lay.rows, lay.tree_words)
+            on_device += [d[tree[0]], d[tree[1]].reshape(lay.rows, lay.tree_words)]
+        return backend.prepare_meta(meta, tuple(on_device))
 
     def verify_batch(self, backend: Any) -> ForwardBatch:
         return ForwardBatch(self.verify_ids, self.positions, self.slots, self.meta(backend))

@@ -583,3 +583,33 @@ def test_weight_checks_find_non_finite_and_all_zero_tensors(cb, rng, shape):
     one = zeros.copy().reshape(-1)
     one[-1] = 1e-30  # a tiny value is still nonzero in bf16 (subnormal bits)
     assert cb.any_nonzero(cb.asarray(one.reshape(shape), "act")) == bool(cb.to_numpy(cb.asarray(one, "act")).any())
+
+
+@pytest.mark.parametrize("nodes,d,hk,group,committed", [(7, 128, 2, 4, 300), (64, 128, 8, 4, 900), (40, 64, 2, 1, 20),
+                                                         (128, 128, 8, 4, 517)])
+def test_attention_with_a_draft_tree(cb, rng, nodes, d, hk, group, committed):
+    """A draft tree's rows (the root and its nodes at consecutive cache positions) see the committed keys and their
+    ancestors only, beside a plain causal chunk in the same launch: as the numpy definition, in bf16 tolerance."""
+    from cudflash.engine.tree import DraftTree, ancestor_masks, pack_bits, words_for
+
+    parents = np.array([-1] + [int(rng.integers(-1, i)) for i in range(1, nodes)])
+    depths = np.zeros(nodes, np.int64)
+    for i, p in enumerate(parents):
+        depths[i] = 1 if p < 0 else depths[p] + 1
+    tree = DraftTree(rng.integers(0, 100, nodes), parents, depths)
+    q_lens, ctx_lens = [nodes + 1, 5], [committed + nodes + 1, 77]
+    kc, vc, tables = make_paged(rng, d, hk, q_lens, ctx_lens)
+    q = rnd(rng, sum(q_lens), hk * group * d)
+    words = words_for(nodes)
+    meta = build_meta(q_lens, ctx_lens, tables)
+    meta.tree_seq = np.array([1, 0], np.int32)
+    meta.tree_mask = np.zeros((sum(q_lens), words), np.int32)
+    meta.tree_mask[:nodes + 1] = pack_bits(ancestor_masks(tree), words)
+    ref = nb.attention(q, kc, vc, meta, d ** -0.5, True)
+    dev_meta = build_meta(q_lens, ctx_lens, tables)
+    dev_meta.tree_seq, dev_meta.tree_mask = meta.tree_seq, meta.tree_mask
+    got = cb.attention(cb.asarray(q, "act"), cb.asarray(kc, "act"), cb.asarray(vc, "act"), cb.prepare_meta(dev_meta),
+                       d ** -0.5, True)
+    assert rel_err(cb.to_numpy(got), ref) < 1e-2
+    plain = nb.attention(q, kc, vc, build_meta(q_lens, ctx_lens, tables), d ** -0.5, True)
+    assert rel_err(plain[:nodes + 1], ref[:nodes + 1]) > 0.05  # the mask really changes the tree rows
