@@ -135,13 +135,9 @@ class ModelRunner:
     def target_forward(self, batch: ForwardBatch, with_taps: bool = True) -> tuple[Any, Any | None]:
         return self.target.forward(batch, self.target_kv, self.tap_layers if with_taps and self.tap_layers else None)
 
-    def draft_context(self, taps: Any, batch: ForwardBatch, rows: np.ndarray | None = None) -> None:
-        """Feed the taps of the batch rows `rows` (all rows if None) to the drafter's context cache."""
-        b, positions, slots = self.backend, batch.positions, batch.slots
-        if rows is not None:
-            index = b.asarray(rows, "i32")
-            taps, positions, slots = b.take_rows(taps, index), b.take_rows(positions, index), b.take_rows(slots, index)
-        self.draft.update_context(taps, positions, slots, self.draft_kv)
+    def draft_context(self, taps: Any, batch: ForwardBatch) -> None:
+        """Feed the taps of every row of the batch to the drafter's context cache, at the rows' positions."""
+        self.draft.update_context(taps, batch.positions, batch.slots, self.draft_kv)
 
     def draft_forward(self, batch: ForwardBatch) -> Any:
         return self.draft.forward(batch, self.draft_kv, self.target)

@@ -82,12 +82,9 @@ def rejection_sample(rows: np.ndarray, drafts: np.ndarray, q: np.ndarray | None,
     return out
 
 
-def verify_tokens(backend: Backend, logits: Any, groups: list[VerifyGroup],
-                  argmax: np.ndarray | None = None) -> list[list[int]]:
-    """The tokens each group emits: its accepted drafts and one target token. `argmax` of the logits rows may
-    come precomputed (CUDA graphs compute it on the device)."""
-    if argmax is None and any(g.seq.params.greedy for g in groups):
-        argmax = backend.to_numpy(backend.argmax(logits))
+def verify_tokens(backend: Backend, logits: Any, groups: list[VerifyGroup], argmax: np.ndarray) -> list[list[int]]:
+    """The tokens each group emits: its accepted drafts and one target token. `argmax` [R] of the logits rows comes
+    from the verify phase, which computes it on the device."""
     sampled = [g for g in groups if not g.seq.params.greedy]
     host_rows: dict[int, np.ndarray] = {}
     if sampled:

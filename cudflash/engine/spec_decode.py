@@ -276,8 +276,8 @@ class Eager:
         """The verify batch again, each decode holding exactly its drafts (a cut proposal verifies fewer rows), or its
         draft tree: the root and every node, at slots L .. L + N, positions L + depth, ancestor masks."""
         if proposal.trees is not None:
-            decode = [tree_chunk(s, t, words_for(max(t.size for t in proposal.trees)))
-                      for s, t in zip(plan.decodes, proposal.trees)]
+            words = words_for(max(t.size for t in proposal.trees))  # one mask width for the batch
+            decode = [tree_chunk(s, t, words) for s, t in zip(plan.decodes, proposal.trees)]
         else:
             decode = [Chunk(s, s.num_cached, [s.last_token] + [int(t) for t in d])
                       for s, d in zip(plan.decodes, proposal.drafts)]

@@ -22,7 +22,7 @@ dummy block first in its table: it reads only the dummy block and writes nothing
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Sequence as Seq
 
 import numpy as np
@@ -139,6 +139,7 @@ class StepTensors:
     verify_ids: Any = None  # int32 [T]: ids with the drafts in place of the masks (a drafting step), else ids
     rows: HeadRows | None = None  # the drafter heads' index rows of the decode blocks (a drafting step)
     score_first: list[int] | None = None  # per sequence: the index of its first scored row among the logits rows
+    _verify: ForwardBatch | None = field(default=None, repr=False)  # verify_batch, once built
 
     def _view(self, a: Any, name: str) -> Any:
         t, n, nd, r = self.layout.rows, self.layout.seqs, self.layout.decodes, self.layout.score_rows
@@ -176,7 +177,10 @@ class StepTensors:
         return backend.prepare_meta(meta, tuple(on_device))
 
     def verify_batch(self, backend: Any) -> ForwardBatch:
-        return ForwardBatch(self.verify_ids, self.positions, self.slots, self.meta(backend))
+        """The target's batch (verify and commit_context both read it: built once)."""
+        if self._verify is None:
+            self._verify = ForwardBatch(self.verify_ids, self.positions, self.slots, self.meta(backend))
+        return self._verify
 
     def draft_batch(self, backend: Any) -> ForwardBatch:
         t = self.layout.rows - self.layout.draft_rows
