@@ -229,6 +229,11 @@ def format_table(results: list[BatchResult], copy_gb_s: float | None) -> str:
     return "\n".join(lines)
 
 
+def draft_options(args) -> dict[str, Any] | None:
+    opts = {"context_window": args.draft_context_window, "tree_budget": getattr(args, "tree_budget", None)}
+    return {k: v for k, v in opts.items() if v is not None} or None
+
+
 def run_bench(args, tuning: CudaTuning | None = None) -> str:
     tuning = tuning or CudaTuning()
     synthetic = args.synthetic is not None
@@ -240,8 +245,7 @@ def run_bench(args, tuning: CudaTuning | None = None) -> str:
               max_num_batched_tokens=max(8192, args.prompt_len * max(batches)), random_weights=synthetic,
               progress=not synthetic, memory_utilization=args.gpu_memory_utilization,
               enforce_eager=args.enforce_eager, tuning=tuning,
-              draft_options=None if args.draft_context_window is None else
-              {"context_window": args.draft_context_window})
+              draft_options=draft_options(args))
     copy = copy_bandwidth_gb_s(llm.backend)
     results = [bench_batch(llm, n, args.prompt_len, args.steps, args.warmup, measured_tau=not synthetic)
                for n in batches]
@@ -250,6 +254,10 @@ def run_bench(args, tuning: CudaTuning | None = None) -> str:
         Path(args.json).write_text(json.dumps({"backend": llm.backend.name, "model": args.synthetic or str(target),
                                                "drafter": args.drafter if synthetic else draft and str(draft),
                                                "copy_gb_per_s": copy, "tuning": changed,
+                                               "draft_options": draft_options(args),
                                                "results": [asdict(r) for r in results]}, indent=2))
     table = format_table(results, copy)
+    if getattr(args, "tree_budget", None):
+        table += (f"\nspeculative steps verify a draft tree of {args.tree_budget} nodes per sequence "
+                  f"({args.tree_budget + 1} rows with the root)")
     return table + "\ntuning: " + ", ".join(f"{k}={v}" for k, v in changed.items()) if changed else table

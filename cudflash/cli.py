@@ -122,8 +122,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="X", help="with --adaptive-verify: cost of one verified token relative to a step's fixed "
                                      "cost")
     p.add_argument("--tree-budget", type=_int_arg(1, "an integer >= 1"), metavar="N",
-                   help="verify a tree of up to N drafts per step (DDTree; DFlash / DFlash2 drafters; on the GPU "
-                        "without CUDA graphs for now) instead of one path")
+                   help="verify a tree of up to N drafts per step instead of one path (DDTree; DFlash / DFlash2 "
+                        "drafters; 64 suits batch-1 latency, batched serving is faster without)")
     p.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--max-num-seqs", type=_int_arg(1, "an integer >= 1"), default=64,
                    help="sequences in flight at once")
@@ -191,6 +191,8 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
                        default=0.9)
     bench.add_argument("--draft-context-window", type=_int_arg(1, "an integer >= 1"), metavar="N",
                        help="bound every drafter layer's attention to the last N positions")
+    bench.add_argument("--tree-budget", type=_int_arg(1, "an integer >= 1"), metavar="N",
+                       help="speculative steps verify a draft tree of N nodes (engine/tree.py) instead of the block")
     bench.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (op by op on the GPU)")
     bench.add_argument("--json", type=Path, metavar="FILE", help="write the numbers as JSON too")
     bench.add_argument("--tune", action="append", default=[], metavar="NAME=VALUE",

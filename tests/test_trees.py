@@ -151,6 +151,30 @@ def test_greedy_tree_decoding_equals_autoregressive_decoding(pair, tiny_pair, go
     assert runs[False] > runs[True]  # the tree accepts more per step than the single path
 
 
+def test_padding_rows_of_a_fixed_width_tree_change_nothing(pair, monkeypatch):
+    """A CUDA graph verifies every tree at the budget's width (spec_decode.tree_chunk pads it): the padding rows take
+    slots and compute, yet the tokens stay exactly the autoregressive ones and every block comes back."""
+    import cudflash.engine.spec_decode as spec_decode
+
+    real = spec_decode.tree_chunk
+    widths = []
+
+    def padded(seq, tree, words, width=None):  # the scheduler reserves 13 rows; the proposer builds 7-node trees
+        widths.append(13 - 1 - tree.size)
+        return real(seq, tree, words_for(12), 13)
+
+    monkeypatch.setattr(spec_decode, "tree_chunk", padded)
+    target, draft = pair
+    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 53))]
+    want = LLM(target, backend="cpu").generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+    llm = LLM(target, draft=draft, backend="cpu", kv_block_size=8, draft_options={"tree_budget": 12})
+    llm.proposer.budget = 7
+    got = llm.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+    assert widths and min(widths) >= 5  # every tree verified with padding rows
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert llm.runner.blocks.num_free == llm.runner.blocks.num_blocks
+
+
 def test_dflash2_tree_decoding_equals_autoregressive_decoding(tmp_path):
     target, draft = write_random_pair(tmp_path, TinyShape(num_layers=2, target_layer_ids=[0, 1],
                                                           heads=TinyHeads(kind="dflash2", selector_top_k=4)), seed=9)

@@ -10,7 +10,9 @@ The targets (and, for drafts made on the device, the verify ids holding them) go
 the context graph is queued behind that copy, so the device updates the drafter's context while the host accepts.
 Drafts proposed on the host (the DFlash2 selector walk, DSpark confidence cuts) are written into the verify ids
 between the propose and verify graphs; a cut draft leaves masks in the rows it dropped (a graph's shape is fixed),
-which acceptance never reads.
+which acceptance never reads. A draft tree (engine/tree.py) is verified over other rows than the block it was
+proposed from: its propose graph is captured alone, and the tree, padded to the budget's width (spec_decode.tree_chunk),
+is staged into a buffer of its own, whose verify and context graphs are captured per (padded batch, context bucket).
 
 Plain decoding (block width 1, every sequence greedy) runs one step ahead: while the host waits for step k's tokens
 and accepts them, step k + 1 is already queued, staged one position further on with its pending tokens copied on the
@@ -45,8 +47,9 @@ from cudflash.backends.cuda_attention import batch_bucket, context_bucket
 from cudflash.engine.proposal import HeadOutputs, HeadRows, Proposal
 from cudflash.engine.scheduler import StepPlan
 from cudflash.engine.sequence import Sequence
-from cudflash.engine.spec_decode import StepPhases, Verified, decode_chunks
+from cudflash.engine.spec_decode import StepPhases, Verified, decode_chunks, tree_chunk
 from cudflash.engine.step_inputs import Chunk, StepLayout, StepTensors, fill
+from cudflash.engine.tree import DraftTree, words_for
 
 
 def pinned_int32(size: int) -> np.ndarray:
@@ -101,11 +104,11 @@ class StepBuffers:
 @dataclass
 class CapturedStep:
     propose_graph: Any | None  # cupy.cuda.Graph of StepPhases.propose (drafting only)
-    verify_graph: Any  # cupy.cuda.Graph of StepPhases.verify
+    verify_graph: Any | None  # cupy.cuda.Graph of StepPhases.verify (None: a draft tree's block, proposed only)
     context_graph: Any | None  # cupy.cuda.Graph of StepPhases.commit_context (drafting only)
     head_out: HeadOutputs | None  # the propose graph's outputs
-    targets: cupy.ndarray  # int32 [n q]: argmax of every verify row
-    logits: cupy.ndarray  # float32 [n q, V]
+    targets: cupy.ndarray | None  # int32 [n q]: argmax of every verify row
+    logits: cupy.ndarray | None  # float32 [n q, V]
     pool: Any  # cupy.cuda.MemoryPool private to this step's graphs
     keep: list[Any] = field(default_factory=list)  # everything else the graphs reference
 
@@ -149,8 +152,8 @@ class StepGraphs:
         self.blocks, self.max_blocks, self.dummy_block = runner.blocks, runner.max_blocks, runner.dummy_block
         self.max_bytes = max_bytes
         self.stream = cupy.cuda.get_current_stream()
-        self.buffers: dict[tuple[int, int], StepBuffers] = {}
-        self.steps: OrderedDict[tuple[int, int, int], CapturedStep] = OrderedDict()  # LRU first
+        self.buffers: dict[tuple[int, int, int], StepBuffers] = {}  # (n, q, tree words)
+        self.steps: OrderedDict[tuple, CapturedStep] = OrderedDict()  # LRU first; keys: StepGraphs._step_for
         self.num_captures = 0
         self.pipeline = run_ahead  # plain decoding queues the next step before waiting for this one
         self.pending: Staged | None = None  # the step queued ahead
@@ -175,10 +178,10 @@ class StepGraphs:
         self.phases = phases
 
     # ---- staging
-    def _buffers(self, n: int, q: int, drafting: bool) -> StepBuffers:
-        key = (n, q)
+    def _buffers(self, n: int, q: int, drafting: bool, tree_words: int = 0) -> StepBuffers:
+        key = (n, q, tree_words)
         if key not in self.buffers:
-            layout = StepLayout(n * q, n, n if drafting else 0, q if drafting else 0, 0, self.max_blocks)
+            layout = StepLayout(n * q, n, n if drafting else 0, q if drafting else 0, 0, self.max_blocks, tree_words)
             slots = [HostSlot(pinned_int32(layout.size), pinned_int32(2 * n * q), pinned_int32(n * q),
                               cupy.cuda.Event(disable_timing=True)) for _ in range(2)]
             self.buffers[key] = StepBuffers(layout, cupy.zeros(layout.size, dtype=cupy.int32),
@@ -189,12 +192,32 @@ class StepGraphs:
     def _stage(self, seqs: list[Sequence], q: int, mask: int, drafting: bool, ahead: int = 0) -> Staged:
         n = batch_bucket(len(seqs))
         buf = self._buffers(n, q, drafting)
+        chunks = decode_chunks(seqs, q, mask, ahead)
+        # A tree's block is only proposed from here: its verification is staged with the tree (_stage_trees).
+        parts = ("propose",) if drafting and self.trees else ("propose", "verify") if drafting else ("verify",)
+        return self._stage_chunks(seqs, buf, chunks, mask, parts, ahead)
+
+    def _stage_chunks(self, seqs: list[Sequence], buf: StepBuffers, chunks: list[Chunk], mask: int,
+                      parts: tuple[str, ...], ahead: int = 0) -> Staged:
         slot = buf.take_slot()
-        chunks = decode_chunks(seqs, q, mask, ahead) + [Chunk(None, 0, [mask] * q)] * (n - len(seqs))
+        chunks = chunks + [Chunk(None, 0, [mask] * buf.q)] * (buf.n - len(seqs))
         longest = fill(slot.host_in, buf.layout, chunks, self.blocks.block_size, self.dummy_block)
         self._copy(slot.host_in, buf.device, cupy.cuda.runtime.memcpyHostToDevice)  # one copy of all of it
-        step = self._step_for(buf, slot, context_bucket(longest), drafting)
+        step = self._step_for(buf, slot, context_bucket(longest), parts)
         return Staged(list(seqs), Staged.rows_of(seqs, ahead, self.blocks.block_size), buf, slot, step)
+
+    @property
+    def trees(self) -> bool:
+        return getattr(self.phases.proposer, "budget", None) is not None
+
+    def _stage_trees(self, st: Staged, trees: list[DraftTree]) -> Staged:
+        """The verify batch of draft trees: each decode's root and nodes, padded to the budget's width."""
+        width = self.phases.proposer.budget + 1
+        words = words_for(width - 1)
+        buf = self._buffers(st.buf.n, width, False, words)
+        chunks = [tree_chunk(s, t, words, width) for s, t in zip(st.seqs, trees)]
+        return self._stage_chunks(st.seqs, buf, chunks, self.phases.runner.draft_cfg.mask_token_id,
+                                  ("verify", "taps"))
 
     def stage(self, plan: StepPlan, q: int, speculative: bool) -> Staged:
         pending, self.pending = self.pending, None
@@ -214,28 +237,34 @@ class StepGraphs:
         graph.upload(self.stream)
         return graph, out
 
-    def _capture(self, buf: StepBuffers, slot: HostSlot, ctx_bucket: int, drafting: bool) -> CapturedStep:
+    def _capture(self, buf: StepBuffers, slot: HostSlot, ctx_bucket: int, parts: tuple[str, ...]) -> CapturedStep:
+        """The graphs of `parts`: "propose" (the drafter over the decode blocks), "verify" (the target forward; with
+        a drafter, also the drafter's context from its taps). A block is proposed and verified in one captured step;
+        a tree's block is proposed in one and the tree verified in another ("verify", "taps")."""
         inp = buf.tensors(slot.host_in, ctx_bucket)
         p = self.phases
+        drafting = "propose" in parts
+        taps_wanted = drafting or "taps" in parts
         # A private pool per captured step: its graphs replay in the order they were captured, so they may share
         # memory with each other, but never with another step's graphs (whose outputs stay alive).
         pool = cupy.cuda.MemoryPool()
         with cupy.cuda.using_allocator(pool.malloc):
-            propose_graph = head_out = context_graph = None
+            propose_graph = head_out = context_graph = verify_graph = targets = logits = taps = None
             if drafting:
                 propose_graph, head_out = self._graph(p.propose, inp)
-            verify_graph, (targets, logits, taps) = self._graph(p.verify, inp, drafting)
+            if "verify" in parts:
+                verify_graph, (targets, logits, taps) = self._graph(p.verify, inp, taps_wanted)
             if taps is not None:
                 context_graph, _ = self._graph(p.commit_context, inp, taps)
         self.num_captures += 1
         return CapturedStep(propose_graph, verify_graph, context_graph, head_out, targets, logits, pool,
                             keep=[taps, inp])
 
-    def _step_for(self, buf: StepBuffers, slot: HostSlot, ctx_bucket: int, drafting: bool) -> CapturedStep:
+    def _step_for(self, buf: StepBuffers, slot: HostSlot, ctx_bucket: int, parts: tuple[str, ...]) -> CapturedStep:
         """The captured step of this shape, captured now if new (evicting the least recently used past the bound)."""
-        key = (buf.n, buf.q, ctx_bucket)
+        key = (buf.n, buf.q, buf.layout.tree_words, ctx_bucket, parts)
         if key not in self.steps:
-            self.steps[key] = self._capture(buf, slot, ctx_bucket, drafting)
+            self.steps[key] = self._capture(buf, slot, ctx_bucket, parts)
             while len(self.steps) > 1 and self.nbytes > self.max_bytes:
                 _, old = self.steps.popitem(last=False)
                 self.stream.synchronize()  # a step queued ahead may still be running on the graphs released here
@@ -246,11 +275,15 @@ class StepGraphs:
     # ---- the phases, replayed
     def propose(self, st: Staged) -> HeadOutputs:
         st.step.propose_graph.launch(self.stream)
+        if st.step.verify_graph is None:  # a tree's block: nothing else reads this slot's staging
+            st.slot.done.record(self.stream)
         return st.step.head_out
 
     def stage_drafts(self, st: Staged, plan: StepPlan, proposal: Proposal) -> Staged:
         """Write [pending token, drafts] of drafts proposed on the host into the verify ids (masks in the rows of
-        drafts a cut dropped)."""
+        drafts a cut dropped), or stage the draft trees' verification."""
+        if proposal.trees is not None:
+            return self._stage_trees(st, proposal.trees)
         q, ids = st.buf.q, st.slot.verify_in
         ids[:] = st.slot.host_in[:st.buf.n * q]  # [pending token, MASK x (q - 1)] per sequence, as staged
         for i, d in enumerate(proposal.drafts):
@@ -296,7 +329,7 @@ class StepGraphs:
         """Queue the step after `now`: positions one further on, pending tokens = now's argmax, copied on the device.
         None (nothing queued) where that step's shape has no captured graph yet: capturing runs it eagerly first."""
         seqs = now.seqs
-        key = (now.buf.n, 1, context_bucket(max(s.num_cached + 2 for s in seqs)))
+        key = (now.buf.n, 1, 0, context_bucket(max(s.num_cached + 2 for s in seqs)), ("verify",))
         if key not in self.steps:
             return None
         st = self._stage(seqs, 1, 0, False, ahead=1)

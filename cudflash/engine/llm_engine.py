@@ -102,9 +102,7 @@ class LLM:
                                   check_weights=check_weights)
         self.runner.blocks.enable_prefix_caching = enable_prefix_caching
         proposer = make_proposer(self.runner, self.draft_options) if self.runner.draft is not None else None
-        # Draft trees run op by op on the GPU for now: the graphs capture fixed-width blocks only.
-        self.engine = self._make_step(proposer, graphs=self.backend.name == "cuda" and not enforce_eager
-                                      and tree is None)
+        self.engine = self._make_step(proposer, graphs=self.backend.name == "cuda" and not enforce_eager)
         # Plain decoding replayed from graphs queues each next step ahead: it needs a slot one position further on.
         ahead = self.engine.graphs is not None and self.engine.graphs.pipeline and self.block_size == 1
         self.scheduler = Scheduler(self.runner.blocks, verify_rows, max_num_seqs, max_num_batched_tokens,

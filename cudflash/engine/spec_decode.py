@@ -63,11 +63,20 @@ def completes_prompt(seq: Sequence, n: int) -> bool:
     return seq.num_cached + n == seq.prefill_end and not seq.output_ids
 
 
-def tree_chunk(seq: Sequence, tree: DraftTree, words: int) -> Chunk:
-    """A decode's verify rows for its draft tree (engine/tree.py): the root and the nodes in storage order."""
+def tree_chunk(seq: Sequence, tree: DraftTree, words: int, width: int | None = None) -> Chunk:
+    """A decode's verify rows for its draft tree (engine/tree.py): the root and the nodes in storage order, then
+    padding rows up to `width` (a CUDA graph's fixed width), each seeing the root and itself only. Padding rows take
+    the slots after the tree's, inside the lookahead the scheduler reserves for a full tree: scratch, never read
+    by a real row (no mask bit points at them) and past the committed length whatever the walk accepts."""
     start = seq.num_cached
-    return Chunk(seq, start, [seq.last_token] + tree.tokens.tolist(), [start] + (start + tree.depths).tolist(),
-                 pack_bits(ancestor_masks(tree), words))
+    pad = 0 if width is None else width - 1 - tree.size
+    masks = ancestor_masks(tree)
+    if pad:
+        masks = np.pad(masks, ((0, pad), (0, pad)))
+        masks[tree.size + 1:, 0] = True
+        np.fill_diagonal(masks, True)
+    return Chunk(seq, start, [seq.last_token] + tree.tokens.tolist() + [seq.last_token] * pad,
+                 [start] + (start + tree.depths).tolist() + [start] * pad, pack_bits(masks, words))
 
 
 def decode_chunks(decodes: list[Sequence], q: int, mask: int, ahead: int = 0) -> list[Chunk]:
