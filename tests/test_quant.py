@@ -434,3 +434,37 @@ def test_random_weights_refuse_quantize(tmp_path):
     target = write_model(tmp_path / "t", config, tensors)
     with pytest.raises(ConfigError, match="random weights"):
         LLM(target, backend="cpu", random_weights=True, quantize="fp8")
+
+
+def test_cli_quantize_reaches_the_engine_for_generate_serve_and_bench():
+    from cudflash.cli import build_parser, engine_kwargs
+
+    parser = build_parser()
+    for command in ("generate", "serve"):
+        args = parser.parse_args([command, "--target", "t", "--quantize", "fp8", "--quantize-draft"])
+        kw = engine_kwargs(args)
+        assert kw["quantize"] == "fp8" and kw["quantize_draft"] is True
+        assert engine_kwargs(parser.parse_args([command, "--target", "t"]))["quantize"] is None
+    bench = parser.parse_args(["bench", "--target", "t", "--quantize", "fp8"])
+    assert bench.quantize == "fp8" and bench.quantize_draft is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--target", "t", "--quantize", "int4"])
+
+
+def test_generate_command_with_quantize(tmp_path, capsys):
+    from cudflash.cli import main
+    from cudflash.tiny import write_random_pair
+
+    target, drafter = write_random_pair(tmp_path, TinyShape(num_layers=3, target_layer_ids=[0, 2]), seed=2)
+    out = tmp_path / "out.jsonl"
+    main(["generate", "--target", str(target), "--draft", str(drafter), "--backend", "cpu", "--quantize", "fp8",
+          "--prompts", str(_prompt_file(tmp_path)), "--max-new-tokens", "4", "--output", str(out)])
+    line = json.loads(out.read_text().splitlines()[0])
+    assert len(line["token_ids"]) == 4
+    assert "target weights: fp8 " in capsys.readouterr().err
+
+
+def _prompt_file(tmp_path: Path) -> Path:
+    f = tmp_path / "prompts.jsonl"
+    f.write_text(json.dumps({"prompt_ids": [5, 6, 7, 8]}) + "\n")
+    return f

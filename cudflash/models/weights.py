@@ -31,7 +31,6 @@ NONZERO_SUFFIXES = ("embed_tokens.weight", "lm_head.weight", "q_proj.weight", "k
 # head tensors when the drafter is quantized too.
 QUANTIZE_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
                      "up_proj.weight", "down_proj.weight")
-QUANTIZE_CHOICES = ("fp8",)
 
 
 @dataclass
