@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -468,3 +469,30 @@ def _prompt_file(tmp_path: Path) -> Path:
     f = tmp_path / "prompts.jsonl"
     f.write_text(json.dumps({"prompt_ids": [5, 6, 7, 8]}) + "\n")
     return f
+
+
+# ---- the trained tiny pair, quantized
+PAIR_PROMPTS = 6  # of its 32 dev prompts: scripts/quant_tau.py measures all of them
+
+
+@pytest.mark.parametrize("variant", ["fp8 at load", "nvfp4 on disk"])
+def test_tiny_pair_quantized_speculative_greedy_equals_autoregressive(tiny_pair, tmp_path, variant):
+    from tests.quant_checkpoints import copy_side_files, write_quantized
+
+    prompts = json.loads((tiny_pair / "prompts_dev.json").read_text())["prompts"][:PAIR_PROMPTS]
+    target, kw = tiny_pair / "target", {"quantize": "fp8"}
+    if variant == "nvfp4 on disk":
+        ckpt = Checkpoint(target)
+        config = json.loads((target / "config.json").read_text())
+        target = write_quantized(tmp_path / "nvfp4", config, {n: ckpt.float32(n) for n in ckpt.names},
+                                 "modelopt_nvfp4", shards=2)
+        copy_side_files(tiny_pair / "target", target)
+        kw = {}
+    params = SamplingParams(max_tokens=128, ignore_eos=True)
+    llm = LLM(target, draft=tiny_pair / "drafter", backend="cpu", **kw)
+    assert set(llm.runner.weight_memory["target"].stored) == {"fp8" if kw else "nvfp4", "bf16"}
+    spec = llm.generate(prompts, params)
+    ar = LLM(target, backend="cpu", **kw).generate(prompts, params)
+    assert [s.token_ids for s in spec] == [a.token_ids for a in ar]
+    # A real drafter still drafts for the quantized target (bf16: tau 2.6 on these prompts).
+    assert statistics.mean(statistics.mean(s.acceptance_lengths) for s in spec) > 1.5

@@ -74,8 +74,9 @@ def read_quantized(ckpt: Checkpoint, name: str, shape: tuple[int, ...], scheme: 
             shapes.update({(): (n, k), (1,): (n, k), (1, 1): (n, k)})
     scale = _float32(ckpt, scale_name, list(shapes), "FP8 weight scale")
     block = shapes[scale.shape]
-    return QuantizedWeight("fp8", (n, k), np.ascontiguousarray(data), scale.reshape(cdiv(n, block[0]), cdiv(k, block[1])),
-                           block, input_scale=input_scale, source=f"{info.file.name}: {name}")
+    scale = scale.reshape(cdiv(n, block[0]), cdiv(k, block[1]))  # [S, cdiv(K, cols)]: a scalar becomes [1, 1]
+    return QuantizedWeight("fp8", (n, k), np.ascontiguousarray(data), scale, block, input_scale=input_scale,
+                           source=f"{info.file.name}: {name}")
 
 
 def _nvfp4(ckpt: Checkpoint, name: str, module: str, n: int, k: int, where: str) -> QuantizedWeight:
