@@ -86,6 +86,30 @@ def weight_bytes(obj: Any) -> int:
     return sum(walk(v) for k, v in vars(obj).items() if not k.startswith("rope"))
 
 
+def weight_memory(llm: LLM) -> dict[str, dict[str, Any]]:
+    """Per model: bytes on the device (every array it holds), and per checkpoint format (bf16, fp8, nvfp4, ...) the
+    bytes as stored and on the device, where the weights came from a checkpoint (not with --synthetic)."""
+    out: dict[str, dict[str, Any]] = {}
+    for label, model in (("target", llm.runner.target), ("drafter", llm.runner.draft)):
+        if model is None:
+            continue
+        mem = llm.runner.weight_memory.get(label)
+        out[label] = {"device_bytes": weight_bytes(model),
+                      "stored_by_format": dict(mem.stored) if mem else None,
+                      "device_by_format": dict(mem.device) if mem else None}
+    return out
+
+
+def format_weight_memory(memory: dict[str, dict[str, Any]]) -> str:
+    parts = []
+    for label, m in memory.items():
+        formats = "" if not m["stored_by_format"] else " (" + ", ".join(
+            f"{fmt}: {m['stored_by_format'][fmt] / 1e9:.3f} GB stored, {m['device_by_format'][fmt] / 1e9:.3f} GB on "
+            f"the device" for fmt in m["stored_by_format"]) + ")"
+        parts.append(f"{label} {m['device_bytes'] / 1e9:.3f} GB{formats}")
+    return "weights on the device: " + "; ".join(parts)
+
+
 class PhaseTimer:
     """Backend events at the phase boundaries of each engine step; read after one synchronize."""
 
@@ -245,7 +269,9 @@ def run_bench(args, tuning: CudaTuning | None = None) -> str:
               max_num_batched_tokens=max(8192, args.prompt_len * max(batches)), random_weights=synthetic,
               progress=not synthetic, memory_utilization=args.gpu_memory_utilization,
               enforce_eager=args.enforce_eager, tuning=tuning,
-              draft_options=draft_options(args))
+              draft_options=draft_options(args),
+              quantize=getattr(args, "quantize", None), quantize_draft=getattr(args, "quantize_draft", False))
+    memory = weight_memory(llm)
     copy = copy_bandwidth_gb_s(llm.backend)
     results = [bench_batch(llm, n, args.prompt_len, args.steps, args.warmup, measured_tau=not synthetic)
                for n in batches]
@@ -253,10 +279,10 @@ def run_bench(args, tuning: CudaTuning | None = None) -> str:
     if args.json is not None:
         Path(args.json).write_text(json.dumps({"backend": llm.backend.name, "model": args.synthetic or str(target),
                                                "drafter": args.drafter if synthetic else draft and str(draft),
-                                               "copy_gb_per_s": copy, "tuning": changed,
+                                               "copy_gb_per_s": copy, "tuning": changed, "weights": memory,
                                                "draft_options": draft_options(args),
                                                "results": [asdict(r) for r in results]}, indent=2))
-    table = format_table(results, copy)
+    table = format_table(results, copy) + "\n" + format_weight_memory(memory)
     if getattr(args, "tree_budget", None):
         table += (f"\nspeculative steps verify a draft tree of {args.tree_budget} nodes per sequence "
                   f"({args.tree_budget + 1} rows with the root)")

@@ -40,6 +40,7 @@ STORAGE_DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
 }
 FLOAT_DTYPES = ("BF16", "F16", "F32")
+QUANT_DTYPES = ("F8_E4M3", "U8")  # quantized weights and their scales: packed codes, read by cudflash.quant
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 MAX_HEADER_DEPTH = 3  # {name: {"shape": [...]}}: the format nests nothing deeper
 MAX_INDEX_BYTES = 64 * 1024 * 1024  # an index of 100k tensors takes about 10 MB
@@ -307,14 +308,26 @@ class Checkpoint:
     def raw(self, name: str, shape: tuple[int, ...] | None = None) -> tuple[str, np.ndarray]:
         """(dtype, read-only storage view) of a floating tensor, after checking its shape and dtype."""
         info = self.info(name)
+        if info.dtype in QUANT_DTYPES:  # reached only where the checkpoint declares no quantization of this tensor
+            raise CheckpointError(
+                f"{info.file}: tensor {shown(name)} has dtype {info.dtype}, expected a float weight "
+                f"({', '.join(FLOAT_DTYPES)}): a quantized tensor, but {self.dir / 'config.json'} declares no "
+                f"quantization_config that covers it"
+            )
+        return self.typed(name, FLOAT_DTYPES, shape, "a float weight")
+
+    def typed(self, name: str, dtypes: tuple[str, ...], shape: tuple[int, ...] | None = None,
+              what: str = "") -> tuple[str, np.ndarray]:
+        """(dtype, read-only storage view) of a tensor whose dtype is one of `dtypes`, after checking its shape."""
+        info = self.info(name)
         if shape is not None and tuple(shape) != info.shape:
             raise CheckpointError(
                 f"{info.file}: tensor {shown(name)} has shape {list(info.shape)}, expected {list(shape)}"
             )
-        if info.dtype not in FLOAT_DTYPES:
+        if info.dtype not in dtypes:
             raise CheckpointError(
-                f"{info.file}: tensor {shown(name)} has dtype {info.dtype}, expected a float weight "
-                f"({', '.join(FLOAT_DTYPES)})"
+                f"{info.file}: tensor {shown(name)} has dtype {info.dtype}, expected {what + ' ' if what else ''}"
+                f"({', '.join(dtypes)})"
             )
         return info.dtype, self.array(name)
 

@@ -16,6 +16,7 @@ from typing import Any, Callable, TextIO
 
 from cudflash import __version__, validate
 from cudflash.errors import CudflashError, RequestError
+from cudflash.quant.options import QUANTIZE_CHOICES
 from cudflash.sampling_params import SamplingParams
 
 MAX_DIGITS = 40  # longer integers are out of range for every option and field (and stay cheap to reject)
@@ -124,12 +125,22 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-budget", type=_int_arg(1, "an integer >= 1"), metavar="N",
                    help="verify a tree of up to N drafts per step instead of one path (DDTree; DFlash / DFlash2 "
                         "drafters; 64 suits batch-1 latency, batched serving is faster without)")
+    _add_quantize_arguments(p)
     p.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--max-num-seqs", type=_int_arg(1, "an integer >= 1"), default=64,
                    help="sequences in flight at once")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (op by op on the GPU)")
     p.add_argument("--gpu-memory-utilization", type=_float_arg(0.0, 1.0, "a number in (0, 1]", low_open=True),
                    default=0.9, help="fraction of free device memory the KV cache may take")
+
+
+def _add_quantize_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantize", choices=list(QUANTIZE_CHOICES),
+                   help="quantize the target's linear weights at load (fp8: 128x128 block-scaled E4M3, the Qwen -FP8 "
+                        "layout; embeddings, norms and the LM head stay as stored). Quantized checkpoints load as "
+                        "they are without it")
+    p.add_argument("--quantize-draft", action="store_true",
+                   help="with --quantize: quantize the drafter too (default: the drafter stays bf16)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -142,7 +153,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                    "verify_cost": args.verify_cost, "tree_budget": args.tree_budget}
     return dict(backend=args.backend, block_size=args.block_size, draft_options=options,
                 max_num_seqs=args.max_num_seqs, memory_utilization=args.gpu_memory_utilization,
-                enforce_eager=args.enforce_eager)
+                enforce_eager=args.enforce_eager, quantize=args.quantize, quantize_draft=args.quantize_draft)
 
 
 def add_generate_arguments(g: argparse.ArgumentParser) -> None:
@@ -194,6 +205,7 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--tree-budget", type=_int_arg(1, "an integer >= 1"), metavar="N",
                        help="speculative steps verify a draft tree of N nodes (engine/tree.py) instead of the block")
     bench.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (op by op on the GPU)")
+    _add_quantize_arguments(bench)
     bench.add_argument("--json", type=Path, metavar="FILE", help="write the numbers as JSON too")
     bench.add_argument("--tune", action="append", default=[], metavar="NAME=VALUE",
                        help="set a field of the CUDA backend's tuning (cudflash/backends/tuning.py), e.g. "

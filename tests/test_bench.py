@@ -73,7 +73,26 @@ def test_bench_target_alone_times_plain_decoding(tiny_pair, tmp_path, capsys):
     for x in data["results"]:
         assert x["block"] == 1 and x["ar_step_ms"] > 0 and x["ar_tokens_per_s"] == x["batch"] / x["ar_step_ms"] * 1e3
         assert x["spec_step_ms"] is None and x["tau"] is None and x["spec_tokens_per_s"] is None
-    assert "projection" not in table and len(table.strip().splitlines()) == 4  # head, rule, one row per batch
+    lines = table.strip().splitlines()
+    assert "projection" not in table and len(lines) == 5  # head, rule, one row per batch, weight memory
+    assert lines[-1].startswith("weights on the device: target ") and "bf16: " in lines[-1]
+    assert data["weights"]["target"]["stored_by_format"]["bf16"] > 0 and "drafter" not in data["weights"]
+
+
+def test_bench_quantize_fp8_reports_weight_memory_per_format(tiny_pair, tmp_path, capsys):
+    from cudflash.cli import main
+
+    out = tmp_path / "bench.json"
+    main(["bench", "--target", str(tiny_pair / "target"), "--backend", "cpu", "--prompt-len", "16", "--new", "1",
+          "--warmup", "0", "--quantize", "fp8", "--json", str(out)])
+    w = json.loads(out.read_text())["weights"]["target"]
+    # Every projection in FP8 (1 byte per weight plus its block scales); the tied embedding stays bf16. On the CPU
+    # backend every weight is float32 on the "device".
+    layers, hidden, inter, kv = 6, 384, 1024, 128
+    proj = layers * (hidden * (2 * hidden + 2 * kv) + 3 * hidden * inter)
+    assert proj <= w["stored_by_format"]["fp8"] < 1.01 * proj and w["device_by_format"]["fp8"] == 4 * proj
+    assert w["stored_by_format"]["bf16"] == 2 * (8192 * hidden + (2 * layers + 1) * hidden + 2 * layers * 64)
+    assert "fp8: " in capsys.readouterr().out
 
 
 def test_table_prints_the_nvml_readings_it_writes():

@@ -76,6 +76,9 @@ class Backend(Protocol):
     # ---- memory
     def asarray(self, x: np.ndarray, dtype: str) -> Any: ...  # dtype: "act" | "f32" | "i32"
     def load(self, dtype: str, raw: np.ndarray) -> Any: ...  # checkpoint tensor (BF16 bits, F16, F32) -> "act"
+    # A quantized linear weight (cudflash.quant.QuantizedWeight: packed codes + scales) -> the weight `linear`,
+    # `swiglu`'s gate_up_weight and `cat` take, in whatever form the backend computes with.
+    def load_quantized(self, w: Any) -> Any: ...
     def random(self, shape: tuple[int, ...], std: float, seed: int) -> Any: ...  # "act", N(0, std^2), made in place
     def all_finite(self, x: Any) -> bool: ...  # no NaN / Inf in a loaded tensor (one reduction)
     def any_nonzero(self, x: Any) -> bool: ...  # some element is not +-0 (one reduction)

@@ -36,6 +36,7 @@ from cudflash.backends.cuda_util import (
 )
 from cudflash.backends.tuning import CudaTuning, as_tuning
 from cudflash.errors import BackendError
+from cudflash.quant.weight import QuantizedWeight, dequantize
 
 _NORM_VPT = (1, 2, 4, 8, 16)
 # Whole-tensor tests of bf16 bits, each one fused reduction without a temporary: NaN / Inf have every exponent
@@ -122,6 +123,13 @@ class CudaBackend:
         if dtype in ("F16", "F32"):
             return self._to_act(cupy.asarray(raw.view(np.float16 if dtype == "F16" else np.float32)))
         raise BackendError(f"cuda backend: cannot load dtype {dtype} (expected BF16, F16 or F32)")
+
+    def load_quantized(self, w: QuantizedWeight) -> cupy.ndarray:
+        """A quantized weight as a bf16 weight: for now it is dequantized at load, on the device (the packed codes and
+        scales are uploaded, dequantize() runs in CuPy to the numpy backend's float32 values, then one rounding to
+        bf16), so the step reads bf16 weights as today. The on-chip W8A16 / W4A16 GEMMs that stream the packed codes
+        (issue 23 item 3) replace this: they take w.data / w.scale / w.global_scale / w.scale_rows as they are."""
+        return self._to_act(dequantize(w, cupy))
 
     def all_finite(self, x: cupy.ndarray) -> bool:
         """No NaN / Inf in a loaded (bf16) tensor; synchronises."""

@@ -14,6 +14,7 @@ import numpy as np
 
 from cudflash.backends.base import AttentionMeta, DeferredNorm, refuse_deferred
 from cudflash.checkpoint import bf16_bits_to_float32
+from cudflash.quant.weight import QuantizedWeight, dequantize
 
 
 @refuse_deferred
@@ -31,6 +32,11 @@ class NumpyBackend:
 
     def load(self, dtype: str, raw: np.ndarray) -> np.ndarray:
         return bf16_bits_to_float32(raw) if dtype == "BF16" else np.array(raw, dtype=np.float32)
+
+    def load_quantized(self, w: QuantizedWeight) -> np.ndarray:
+        """The exact float32 values of the quantized weight (quant.weight.dequantize): the reference every other
+        backend's quantized GEMMs are held to."""
+        return dequantize(w)
 
     def all_finite(self, x: np.ndarray) -> bool:
         # A finite sum of squares (one BLAS pass, cheaper than isfinite, which makes a boolean copy of x) proves every

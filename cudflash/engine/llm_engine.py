@@ -23,6 +23,7 @@ from cudflash.engine.propose import Proposer, make_proposer
 from cudflash.engine.spec_decode import SpeculativeStep, StepPhases
 from cudflash.errors import ConfigError, RequestError
 from cudflash.hub import resolve_model
+from cudflash.quant.options import check_quantize
 from cudflash.sampling_params import SamplingParams
 from cudflash.tokenizer import load_tokenizer
 
@@ -58,7 +59,7 @@ class LLM:
                  enable_prefix_caching: bool = True, progress: bool = False, random_weights: bool = False,
                  draft_options: DraftOptions | dict | None = None, enforce_eager: bool = False,
                  tuning: CudaTuning | dict | None = None, max_model_len: int | None = None,
-                 check_weights: bool = True):
+                 check_weights: bool = True, quantize: str | None = None, quantize_draft: bool = False):
         # A local folder, or a Hugging Face model id ("Org/Name": the local cache first, else a download).
         target = resolve_model(target, "target")
         draft = resolve_model(draft, "draft") if draft is not None else None
@@ -73,6 +74,8 @@ class LLM:
         if not isinstance(check_weights, bool):
             raise ConfigError(f"check_weights must be true or false, got {check_weights!r}")
         self.draft_cfg = load_draft_config(draft) if draft is not None else None
+        # The target's quantized format (None: unquantized) and the quantize choices, checked (quant/options.py).
+        self.target_quant = check_quantize(target, draft, quantize, quantize_draft, random_weights)
         self.tokenizer = load_tokenizer(target)
         # Drafting choices (DraftOptions: drafter windows, DSpark cuts, draft trees): lossless, off by default.
         self.draft_options = DraftOptions(**draft_options) if isinstance(draft_options, dict) else draft_options
@@ -99,7 +102,8 @@ class LLM:
                                   kv_block_size=kv_block_size, num_kv_blocks=num_kv_blocks,
                                   max_num_seqs=max_num_seqs, memory_utilization=memory_utilization,
                                   progress=progress, random_weights=random_weights, max_model_len=max_model_len,
-                                  check_weights=check_weights)
+                                  check_weights=check_weights, target_quant=self.target_quant,
+                                  quantize=quantize, quantize_draft=quantize_draft)
         self.runner.blocks.enable_prefix_caching = enable_prefix_caching
         proposer = make_proposer(self.runner, self.draft_options) if self.runner.draft is not None else None
         self.engine = self._make_step(proposer, graphs=self.backend.name == "cuda" and not enforce_eager)

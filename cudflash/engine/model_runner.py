@@ -22,7 +22,8 @@ from cudflash.errors import BackendError
 from cudflash.models.batch import ForwardBatch, KVCache
 from cudflash.models.dflash import DFlashDraftModel
 from cudflash.models.target import TargetModel
-from cudflash.models.weights import RandomWeights, WeightLoader
+from cudflash.models.weights import RandomWeights, WeightLoader, WeightMemory
+from cudflash.quant import QuantScheme
 from cudflash.rope import device_rope_tables
 
 
@@ -63,31 +64,46 @@ def _is_terminal(out: TextIO) -> bool:
         return False
 
 
-def _loader(ckpt: Checkpoint, backend: Backend, label: str, progress: bool, check_weights: bool) -> WeightLoader:
+def _loader(ckpt: Checkpoint, backend: Backend, label: str, progress: bool, check_weights: bool,
+            quant: QuantScheme | None = None, quantize: str | None = None) -> WeightLoader:
     total = sum(ckpt.info(n).nbytes for n in ckpt.names)
-    return WeightLoader(ckpt, backend, progress=LoadProgress(label, total, progress), check_weights=check_weights)
+    return WeightLoader(ckpt, backend, progress=LoadProgress(label, total, progress), check_weights=check_weights,
+                        quant=quant, quantize=quantize)
 
 
 class ModelRunner:
     def __init__(self, target_cfg: TargetConfig, draft_cfg: DraftConfig | None, backend: Backend, *,
                  max_block_size: int, kv_block_size: int = 16, num_kv_blocks: int | None = None,
                  max_num_seqs: int = 64, memory_utilization: float = 0.9, progress: bool = False,
-                 random_weights: bool = False, max_model_len: int | None = None, check_weights: bool = True):
+                 random_weights: bool = False, max_model_len: int | None = None, check_weights: bool = True,
+                 target_quant: QuantScheme | None = None, quantize: str | None = None, quantize_draft: bool = False):
         self.backend, self.target_cfg, self.draft_cfg = backend, target_cfg, draft_cfg
         # The longest prompt + output served; positions reach a draft block (and one pending token) past it.
         self.max_model_len = max_model_len or target_cfg.max_position_embeddings
         seq_blocks = -(-(self.max_model_len + max_block_size + 1) // kv_block_size)
-        def loader(path: str, label: str) -> WeightLoader | RandomWeights:
+        def loader(path: str, label: str, quant: QuantScheme | None, quantize: str | None
+                   ) -> WeightLoader | RandomWeights:
             if random_weights:  # synthetic benchmarks: the shapes of a real model, values made on the device
                 return RandomWeights(backend, seed=len(label), untied=not target_cfg.tie_word_embeddings)
-            return _loader(Checkpoint(path), backend, label, progress, check_weights)
+            return _loader(Checkpoint(path), backend, label, progress, check_weights, quant, quantize)
 
-        self.target = TargetModel(target_cfg, loader(target_cfg.path, "target"), backend)
+        # Weight bytes per format, as stored and on the device (empty with random weights: bench.weight_bytes counts).
+        self.weight_memory: dict[str, WeightMemory] = {}
+        # A checkpoint already in block-scaled FP8 keeps its own choice of unquantized modules (LLM checks the rest).
+        target_loader = loader(target_cfg.path, "target", target_quant, None if target_quant else quantize)
+        self.target = TargetModel(target_cfg, target_loader, backend)
         self.draft: DFlashDraftModel | None = None
         self.tap_layers: list[int] = []
+        draft_loader = None
         if draft_cfg is not None:
             self.tap_layers = draft_cfg.target_layer_ids
-            self.draft = DFlashDraftModel(draft_cfg, loader(draft_cfg.path, "drafter"), backend, len(self.tap_layers))
+            draft_loader = loader(draft_cfg.path, "drafter", None, quantize if quantize_draft else None)
+            self.draft = DFlashDraftModel(draft_cfg, draft_loader, backend, len(self.tap_layers))
+        for label, used in (("target", target_loader), ("drafter", draft_loader)):
+            if isinstance(used, WeightLoader):
+                self.weight_memory[label] = used.memory
+                if progress:
+                    print(f"{label} weights: {used.memory.describe()}", file=sys.stderr, flush=True)
         t, d = target_cfg, draft_cfg
         per_position = t.num_layers * 2 * t.num_kv_heads * t.head_dim
         if d is not None:

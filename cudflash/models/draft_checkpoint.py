@@ -31,12 +31,13 @@ class _TrackingLoader(WeightLoader):
     """Records every tensor read, so that a tensor nothing reads is reported instead of silently dropped."""
 
     def __init__(self, base: WeightLoader, prefix: str, used: set[str]):
-        super().__init__(base.ckpt, base.backend, prefix, base.progress, base.check_weights)
+        super().__init__(base.ckpt, base.backend, prefix, base.progress, base.check_weights, base.quant, base.quantize)
+        self.memory = base.memory  # one account for the drafter's weights
         self.used = used
 
-    def get(self, name: str, shape: tuple[int, ...]) -> Any:
+    def read(self, name: str, shape: tuple[int, ...]) -> Any:
         self.used.add(self.prefix + name)
-        return super().get(name, shape)
+        return super().read(name, shape)
 
 
 class DraftCheckpoint:

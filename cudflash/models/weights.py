@@ -1,15 +1,23 @@
 """Where weights come from: a checkpoint, tensor by tensor with shape checks, or random values made on the
-backend itself (synthetic benchmarks: per-step time does not depend on the weights' values)."""
+backend itself (synthetic benchmarks: per-step time does not depend on the weights' values).
+
+A quantized tensor (a released FP8 / NVFP4 checkpoint, or quantize="fp8" at load) is read as a QuantizedWeight
+(cudflash/quant) and handed to `Backend.load_quantized`, which returns the backend's linear weight: the models take
+it where they take a bf16 weight and never ask which it is.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
 from cudflash.backends.base import Backend
-from cudflash.checkpoint import Checkpoint
+from cudflash.checkpoint import Checkpoint, bf16_bits_to_float32
 from cudflash.model_files import shown
 from cudflash.errors import CheckpointError
+from cudflash.quant import QuantizedWeight, QuantScheme, concat_rows, quantize_fp8_block, read_quantized
+from cudflash.quant.reader import is_quantized
 
 
 # Tensors no real model holds as all zeros: the embedding, the LM head and every projection matrix (a zero bias,
@@ -18,28 +26,96 @@ NONZERO_SUFFIXES = ("embed_tokens.weight", "lm_head.weight", "q_proj.weight", "k
                     "o_proj.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight", "fc.weight")
 
 
+# The linear weights quantize="fp8" converts: every projection of the attention and the MLP. The embedding, the LM
+# head and the norms stay as the checkpoint has them (as in the Qwen -FP8 releases); so do the drafter's fc and
+# head tensors when the drafter is quantized too.
+QUANTIZE_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+                     "up_proj.weight", "down_proj.weight")
+
+
+@dataclass
+class WeightMemory:
+    """Bytes of the loaded weights per format ("bf16", "f32", "fp8", "nvfp4", ...): as the checkpoint stores them
+    (for quantize="fp8": as quantized at load) and as the backend holds them."""
+
+    stored: dict[str, int] = field(default_factory=dict)
+    device: dict[str, int] = field(default_factory=dict)
+
+    def add(self, fmt: str, stored: int, device: int) -> None:
+        self.stored[fmt] = self.stored.get(fmt, 0) + stored
+        self.device[fmt] = self.device.get(fmt, 0) + device
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(self.device.values())
+
+    def describe(self) -> str:
+        """e.g. 'fp8 8.19 GB (on the device 16.38 GB), bf16 1.24 GB (on the device 1.24 GB)'."""
+        return ", ".join(f"{fmt} {_size(self.stored[fmt])} (on the device {_size(self.device[fmt])})"
+                         for fmt in sorted(self.stored, key=lambda f: -self.stored[f]))
+
+
+def _size(n: int) -> str:
+    if n >= 1e9:
+        return f"{n / 1e9:.2f} GB"
+    return f"{n / 1e6:.2f} MB" if n >= 1e6 else f"{n / 1e3:.1f} KB"
+
+
 class WeightLoader:
     """Tensors of a checkpoint onto the backend, each checked against the shape the model expects and, unless
     the checkpoint is trusted (check_weights=False), refused when it holds NaN / Inf or, for the tensors in
-    NONZERO_SUFFIXES, nothing but zeros: one reduction per tensor on the backend, after its conversion."""
+    NONZERO_SUFFIXES, nothing but zeros: one reduction per tensor on the backend, after its conversion.
+
+    `quant`: the checkpoint's declared quantization (quant.read_quant_scheme); its quantized tensors load through
+    Backend.load_quantized, every other tensor as it is stored. `quantize`: "fp8" turns the bf16 / f16 / f32 tensors
+    in QUANTIZE_SUFFIXES into 128x128 block-scaled FP8 as they are read (quantize_fp8_block)."""
 
     def __init__(self, ckpt: Checkpoint, backend: Backend, prefix: str = "",
-                 progress: Callable[[int], None] | None = None, check_weights: bool = True):
+                 progress: Callable[[int], None] | None = None, check_weights: bool = True,
+                 quant: QuantScheme | None = None, quantize: str | None = None):
         self.ckpt, self.backend, self.prefix = ckpt, backend, prefix
         self.progress = progress  # called with the bytes of each tensor loaded
         self.check_weights = check_weights
+        self.quant, self.quantize = quant, quantize
+        self.memory = WeightMemory()
 
     def has(self, name: str) -> bool:
         return self.prefix + name in self.ckpt
 
     def get(self, name: str, shape: tuple[int, ...]) -> Any:
+        return self._upload(self.prefix + name, self.read(name, shape))
+
+    def read(self, name: str, shape: tuple[int, ...]) -> QuantizedWeight | tuple[str, np.ndarray]:
+        """The tensor as the backend will get it, checked against `shape` (logical: [N, K] for a packed weight):
+        a QuantizedWeight, or (safetensors dtype, read-only storage view)."""
         full = self.prefix + name
+        if self.quant is not None or is_quantized(self.ckpt, full):
+            qw = read_quantized(self.ckpt, full, shape, self.quant)
+            if qw is not None:
+                self._progress(qw.nbytes + (qw.input_scale.nbytes if qw.input_scale is not None else 0))
+                return qw
         dtype, raw = self.ckpt.raw(full, shape)
+        self._progress(raw.nbytes)
+        if self.quantize is not None and len(shape) == 2 and full.endswith(QUANTIZE_SUFFIXES):
+            w = bf16_bits_to_float32(raw) if dtype == "BF16" else raw.astype(np.float32)
+            return quantize_fp8_block(w, source=f"{self.ckpt.info(full).file.name}: {full}, quantized at load")
+        return dtype, raw
+
+    def _progress(self, nbytes: int) -> None:
         if self.progress:
-            self.progress(raw.nbytes)
-        x = self.backend.load(dtype, raw)
+            self.progress(nbytes)
+
+    def _upload(self, full: str, w: QuantizedWeight | tuple[str, np.ndarray]) -> Any:
+        if isinstance(w, QuantizedWeight):
+            x = self.backend.load_quantized(w)
+            fmt, stored = w.format, w.nbytes
+        else:
+            dtype, raw = w
+            x = self.backend.load(dtype, raw)
+            fmt, stored = dtype.lower(), raw.nbytes
         if self.check_weights:
             self._check_values(full, x)
+        self.memory.add(fmt, stored, int(x.nbytes))
         return x
 
     def _check_values(self, name: str, x: Any) -> None:
@@ -51,8 +127,21 @@ class WeightLoader:
                                   f"corrupt checkpoint)")
 
     def fused(self, names_and_shapes: list[tuple[str, tuple[int, ...]]]) -> Any:
-        """Concatenate along the output dimension (rows), e.g. q/k/v -> qkv."""
-        return self.backend.cat([self.get(n, s) for n, s in names_and_shapes], axis=0)
+        """Concatenate along the output dimension (rows), e.g. q/k/v -> qkv. Quantized parts are concatenated as
+        codes and scales, each part's scales kept (quant.concat_rows): all parts quantized, or none."""
+        names = [self.prefix + n for n, _ in names_and_shapes]
+        parts = [self.read(n, s) for n, s in names_and_shapes]
+        packed = [isinstance(p, QuantizedWeight) for p in parts]
+        if not any(packed):
+            return self.backend.cat([self._upload(n, p) for n, p in zip(names, parts)], axis=0)
+        if not all(packed):
+            plain = names[packed.index(False)]
+            raise CheckpointError(f"{self.ckpt.info(names[0]).file}: {shown(names[packed.index(True)])} is quantized "
+                                  f"but {shown(plain)}, fused with it, is not (a fused weight is quantized whole)")
+        try:
+            return self._upload(names[0], concat_rows(parts, names))
+        except ValueError as e:
+            raise CheckpointError(f"{self.ckpt.dir}: {e}") from None
 
     def gate_up(self, gate: str, up: str, shape: tuple[int, int]) -> Any:
         """The MLP's gate and up projections [I, H] as the backend's fused gate_up weight (Backend.swiglu)."""

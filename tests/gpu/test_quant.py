@@ -1,0 +1,45 @@
+"""Quantized weights on the GPU: load_quantized dequantizes on the device to exactly the numpy backend's float32
+values rounded once to bf16, for every format and a fused weight off the block grid; and the tiny pair quantized
+to FP8 at load decodes on the GPU as on the CPU (up to bf16 near-ties)."""
+from __future__ import annotations
+
+import numpy as np
+
+from cudflash import LLM, SamplingParams
+from cudflash.quant import QuantizedWeight, concat_rows, dequantize, quantize_fp8_block
+from cudflash.tiny import float32_to_bf16_bits
+
+
+def _bf16_bits(x) -> np.ndarray:
+    import cupy
+
+    return cupy.asnumpy(x.view(cupy.uint16))
+
+
+def _weights(rng) -> list[QuantizedWeight]:
+    fp8 = quantize_fp8_block(rng.standard_normal((300, 200)).astype(np.float32))
+    fused = concat_rows([quantize_fp8_block(rng.standard_normal((n, 200)).astype(np.float32)) for n in (80, 16, 16)],
+                        ["q", "k", "v"])
+    channel = QuantizedWeight("fp8", (64, 96), rng.integers(0, 0x7E, (64, 96)).astype(np.uint8),
+                              rng.uniform(1e-3, 1, (64, 1)).astype(np.float32), (1, 96))
+    nvfp4 = QuantizedWeight("nvfp4", (48, 64), rng.integers(0, 256, (48, 32)).astype(np.uint8),
+                            rng.integers(0, 0x7E, (48, 4)).astype(np.uint8), (1, 16), np.array([0.03], np.float32))
+    return [fp8, fused, channel, nvfp4]
+
+
+def test_load_quantized_is_numpy_rounded_to_bf16(cb, rng):
+    for w in _weights(rng):
+        want = float32_to_bf16_bits(dequantize(w))
+        assert np.array_equal(_bf16_bits(cb.load_quantized(w)), want), w.format
+
+
+def test_tiny_pair_fp8_at_load_on_the_gpu(tiny_pair):
+    import json
+
+    prompts = json.loads((tiny_pair / "prompts_dev.json").read_text())["prompts"]
+    params = SamplingParams(max_tokens=128, ignore_eos=True)
+    gpu = LLM(tiny_pair / "target", draft=tiny_pair / "drafter", backend="cuda", quantize="fp8")
+    spec = gpu.generate(prompts, params)
+    ar = LLM(tiny_pair / "target", backend="cuda", quantize="fp8").generate(prompts, params)
+    same = sum(s.token_ids == a.token_ids for s, a in zip(spec, ar))
+    assert same >= int(np.ceil(0.95 * len(prompts))), f"spec == AR on {same} of {len(prompts)} prompts"

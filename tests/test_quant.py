@@ -1,0 +1,498 @@
+"""Quantized weights: the E4M3 / E2M1 numerics against tables built here from the format definitions, every
+released layout round-tripped through a tiny checkpoint written in it (tests/quant_checkpoints.py) and loaded by the
+real loader, exact float32 values, fused weights off the block grid, quantize="fp8" at load, refusals by name, and
+speculative greedy == autoregressive greedy of each quantized target on the numpy backend."""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cudflash.checkpoint import Checkpoint
+from cudflash.engine.llm_engine import LLM
+from cudflash.errors import CheckpointError, ConfigError
+from cudflash.quant import QuantizedWeight, concat_rows, dequantize, quantize_fp8_block, read_quant_scheme
+from cudflash.quant.numerics import (E4M3_TABLE, decode_e2m1, encode_e2m1, encode_e4m3, pack_e2m1, unpack_e2m1)
+from cudflash.quant.weight import dequantize_reference
+from cudflash.sampling_params import SamplingParams
+from cudflash.tiny import TinyShape, draft_config, draft_tensors, target_config, target_tensors, write_model
+from tests.quant_checkpoints import compressed_fp8, modelopt_nvfp4, qwen_fp8, write_tagged_model
+
+
+def e4m3_value(code: int) -> float:
+    """The E4M3 (fn) definition: bias 7, exponent 0 subnormal, S.1111.111 NaN, no infinity."""
+    sign = -1.0 if code & 0x80 else 1.0
+    exp, man = (code >> 3) & 0xF, code & 7
+    if exp == 0xF and man == 7:
+        return math.nan
+    return sign * (man / 8 * 2.0**-6 if exp == 0 else (1 + man / 8) * 2.0 ** (exp - 7))
+
+
+def e2m1_value(code: int) -> float:
+    sign = -1.0 if code & 8 else 1.0
+    exp, man = (code >> 1) & 3, code & 1
+    return sign * (man * 0.5 if exp == 0 else (1 + man / 2) * 2.0 ** (exp - 1))
+
+
+E4M3 = np.array([e4m3_value(c) for c in range(256)], dtype=np.float32)
+E2M1 = np.array([e2m1_value(c) for c in range(16)], dtype=np.float32)
+
+
+# ---- numerics
+def test_e4m3_table_is_the_format_definition():
+    nan = np.isnan(E4M3)
+    assert np.flatnonzero(nan).tolist() == [0x7F, 0xFF]
+    assert np.array_equal(np.isnan(E4M3_TABLE), nan)
+    assert np.array_equal(E4M3_TABLE[~nan], E4M3[~nan])
+    assert np.array_equal(np.signbit(E4M3_TABLE[~nan]), np.signbit(E4M3[~nan]))  # 0x80 is -0
+    assert E4M3[0x7E] == 448 and E4M3[0x01] == 2.0**-9 and E4M3[0x08] == 2.0**-6 and E4M3[0x07] == 7 * 2.0**-9
+
+
+def test_e4m3_encode_round_trips_every_code_and_rounds_to_nearest_even():
+    codes = np.array([c for c in range(256) if c not in (0x7F, 0xFF)], dtype=np.uint8)
+    assert np.array_equal(encode_e4m3(E4M3[codes]), codes)
+    pos = np.sort(E4M3[:0x7F])  # the 127 non-negative values, ascending; codes 0..0x7E in the same order
+    mids = (pos[:-1].astype(np.float64) + pos[1:]) / 2  # exact in float32: one more mantissa bit
+    assert np.array_equal(mids.astype(np.float32).astype(np.float64), mids)
+    lo, hi = np.arange(126), np.arange(1, 127)
+    even = np.where(lo % 2 == 0, lo, hi)
+    for sign in (1, -1):
+        got = encode_e4m3((sign * mids).astype(np.float32)) & 0x7F
+        assert np.array_equal(got, even)
+        below = np.nextafter((sign * mids).astype(np.float32), np.float32(0))
+        above = np.nextafter((sign * mids).astype(np.float32), np.float32(sign * np.inf))
+        assert np.array_equal(encode_e4m3(below) & 0x7F, lo) and np.array_equal(encode_e4m3(above) & 0x7F, hi)
+    big = encode_e4m3(np.array([449, 464, 479, 480, 1e30, -1e30, np.inf, np.nan, 2.0**-11, -0.0], np.float32))
+    assert big.tolist() == [0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0xFE, 0x7F, 0x7F, 0x00, 0x80]
+
+
+def test_e4m3_encode_is_the_nearest_value():
+    x = np.random.default_rng(0).standard_normal(20000).astype(np.float32) * np.float32(40)
+    got = E4M3[encode_e4m3(x)].astype(np.float64)
+    finite = E4M3[~np.isnan(E4M3)].astype(np.float64)
+    best = np.abs(x.astype(np.float64)[:, None] - finite[None, :]).min(axis=1)
+    assert np.array_equal(np.abs(got - x), best)
+
+
+def test_e2m1_table_order_and_encoding():
+    assert np.array_equal(decode_e2m1(np.arange(16, dtype=np.uint8)), E2M1)
+    assert E2M1[:8].tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
+    # Element 2j is the low nibble of byte j (the order vLLM's break_fp4_bytes and ModelOpt's packing use).
+    assert unpack_e2m1(np.array([[0x21, 0xF9]], np.uint8)).tolist() == [[1, 2, 9, 15]]
+    codes = np.random.default_rng(1).integers(0, 16, (3, 32)).astype(np.uint8)
+    assert np.array_equal(unpack_e2m1(pack_e2m1(codes)), codes)
+    ties = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, 9, -5], np.float32)
+    assert decode_e2m1(encode_e2m1(ties)).tolist() == [0, 1, 1, 2, 2, 4, 4, 6, -4]
+
+
+# ---- the in-memory weight
+def _random_fp8(rng, n, k, block) -> QuantizedWeight:
+    codes = rng.integers(0, 256, (n, k)).astype(np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x3C  # no NaN codes
+    scale = rng.uniform(1e-3, 1, (-(-n // block[0]), -(-k // block[1]))).astype(np.float32)
+    return QuantizedWeight("fp8", (n, k), codes, scale, block)
+
+
+def _fp8_reference(codes, scale, block):
+    n, k = codes.shape
+    return E4M3[codes] * np.repeat(np.repeat(scale, block[0], 0), block[1], 1)[:n, :k]
+
+
+def _nvfp4_reference(packed, scale_codes, g):
+    n = packed.shape[0]
+    elems = np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, -1)
+    return (E2M1[elems] * np.repeat(E4M3[scale_codes], 16, axis=1)) * np.float32(g)
+
+
+def test_dequantize_fp8_off_the_block_grid():
+    rng = np.random.default_rng(2)
+    for n, k, block in [(200, 130, (128, 128)), (7, 300, (128, 128)), (33, 20, (16, 8)), (5, 9, (1, 9))]:
+        w = _random_fp8(rng, n, k, block)
+        want = _fp8_reference(w.data, w.scale, block)
+        assert np.array_equal(dequantize(w), want) and np.array_equal(dequantize_reference(w), want)
+
+
+def test_concat_rows_keeps_each_parts_scales():
+    rng = np.random.default_rng(3)
+    parts = [_random_fp8(rng, n, 200, (128, 128)) for n in (200, 72, 72)]  # qkv with rows off the grid
+    fused = concat_rows(parts, ["q", "k", "v"])
+    assert fused.scale_rows is not None and fused.scale.shape == (4, 2) and fused.shape == (344, 200)
+    assert np.array_equal(dequantize(fused), np.concatenate([dequantize(p) for p in parts]))
+    aligned = concat_rows([_random_fp8(rng, 256, 64, (128, 128)), _random_fp8(rng, 40, 64, (128, 128))], ["a", "b"])
+    assert aligned.scale_rows is None and aligned.block == (128, 128)  # the grids meet end to end: no row map
+    tensor = [QuantizedWeight("fp8", (n, 16), rng.integers(0, 100, (n, 16)).astype(np.uint8),
+                              np.array([[s]], np.float32), (n, 16)) for n, s in ((8, 0.5), (4, 0.25))]
+    fused = concat_rows(tensor, ["q", "k"])  # per-tensor scales of different parts: one scale row each
+    assert fused.scale_rows.tolist() == [0] * 8 + [1] * 4
+    assert np.array_equal(dequantize(fused), np.concatenate([dequantize(p) for p in tensor]))
+    with pytest.raises(ValueError, match="cannot fuse"):
+        concat_rows([parts[0], _random_fp8(rng, 8, 200, (64, 64))], ["q", "k"])
+
+
+def test_nvfp4_dequantize_and_concat_with_different_global_scales():
+    rng = np.random.default_rng(4)
+    parts = []
+    for n, g in ((6, 0.5), (3, 0.125)):
+        packed = rng.integers(0, 256, (n, 16)).astype(np.uint8)  # K = 32
+        scales = rng.integers(0, 0x7E, (n, 2)).astype(np.uint8)
+        parts.append(QuantizedWeight("nvfp4", (n, 32), packed, scales, (1, 16), np.array([g], np.float32)))
+        assert np.array_equal(dequantize(parts[-1]), _nvfp4_reference(packed, scales, g))
+        assert np.array_equal(dequantize_reference(parts[-1]), dequantize(parts[-1]))
+    fused = concat_rows(parts, ["gate", "up"])
+    assert fused.global_scale.shape == (9,) and fused.scale_rows is None
+    assert np.array_equal(dequantize(fused), np.concatenate([dequantize(p) for p in parts]))
+
+
+def test_quantize_fp8_block_is_amax_over_448_and_nearest_even():
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((150, 260)).astype(np.float32)
+    w[128:, 256:] = 0  # a zero block (the corner block 1 x 2 covers rows 128.., cols 256..)
+    q = quantize_fp8_block(w)
+    assert q.scale.shape == (2, 3) and q.data.shape == (150, 260)
+    for i in range(2):
+        for j in range(3):
+            blk = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+            amax = np.abs(blk).max()
+            assert q.scale[i, j] == (np.float32(amax) / np.float32(448) if amax else 1.0)
+            codes = q.data[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+            assert np.array_equal(codes, encode_e4m3(blk / q.scale[i, j]))
+    assert np.abs(E4M3[q.data]).max() == 448  # every nonzero block reaches the top code
+    err = np.abs(dequantize(q) - w) / np.maximum(np.abs(w), 1e-30)
+    assert err[np.abs(w) > 0.1].max() <= 2.0**-4  # half a step of a 3-bit mantissa
+
+
+# ---- released layouts through the real loader
+def _target(tmp_path: Path, shape: TinyShape, seed: int = 0):
+    tensors = target_tensors(shape, np.random.default_rng(seed))
+    return tensors, target_config(shape)
+
+
+def _write(tmp_path: Path, name: str, fmt: str, shape: TinyShape, shards: int = 1, **kw):
+    tensors, config = _target(tmp_path, shape)
+    extra = None
+    if fmt == "qwen_fp8":
+        out, config["quantization_config"] = qwen_fp8(tensors, **kw)
+    elif fmt == "compressed_fp8":
+        out, config["quantization_config"] = compressed_fp8(tensors, **kw)
+    else:
+        out, hf, qc = modelopt_nvfp4(tensors)
+        extra = {"hf_quant_config.json": hf}
+        if kw.get("in_config"):
+            config["quantization_config"] = qc
+    return write_tagged_model(tmp_path / name, config, out, shards, extra), out
+
+
+def _reference_at(out: dict, name: str, block: tuple[int, int] = (128, 128)) -> np.ndarray:
+    """The float32 value of a stored weight, from the raw stored arrays and this file's own tables (`block`: the
+    checkpoint's weight_block_size)."""
+    tag, arr = out[name]
+    module = name[: -len("weight")]
+    if tag == "BF16":
+        return (arr.astype(np.uint32) << 16).view(np.float32)
+    as_f32 = lambda t: (t[1].astype(np.uint32) << 16).view(np.float32) if t[0] == "BF16" else t[1]  # noqa: E731
+    if tag == "U8":
+        return _nvfp4_reference(arr, out[module + "weight_scale"][1], out[module + "weight_scale_2"][1])
+    if module + "weight_scale_inv" in out:
+        return _fp8_reference(arr, as_f32(out[module + "weight_scale_inv"]), block)
+    scale = as_f32(out[module + "weight_scale"])
+    return E4M3[arr] * (scale.reshape(-1, 1) if scale.size > 1 else scale.reshape(1, 1))
+
+
+def _check_loaded(model_dir: Path, out: dict, block: tuple[int, int] = (128, 128)):
+    llm = LLM(model_dir, backend="cpu", kv_block_size=8)
+    t = llm.runner.target
+    _reference = lambda o, n: _reference_at(o, n, block)  # noqa: E731
+    for i, layer in enumerate(t.layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        qkv = np.concatenate([_reference(out, a + f"{x}_proj.weight") for x in "qkv"])
+        assert np.array_equal(layer.qkv, qkv)
+        assert np.array_equal(layer.o_proj, _reference(out, a + "o_proj.weight"))
+        gate_up = np.concatenate([_reference(out, m + "gate_proj.weight"), _reference(out, m + "up_proj.weight")])
+        assert np.array_equal(layer.gate_up, gate_up)
+        assert np.array_equal(layer.down, _reference(out, m + "down_proj.weight"))
+        assert np.array_equal(layer.input_norm, _reference(out, f"model.layers.{i}.input_layernorm.weight"))
+    assert np.array_equal(t.embed_tokens, _reference(out, "model.embed_tokens.weight"))
+    assert np.array_equal(t.lm_head, _reference(out, "lm_head.weight"))
+    return llm
+
+
+ODD = TinyShape(hidden_size=80, num_heads=5, num_kv_heads=1, head_dim=16, intermediate_size=208, num_layers=2,
+                target_layer_ids=[0, 1])
+
+
+@pytest.mark.parametrize("fmt,kw", [("qwen_fp8", {}), ("qwen_fp8", {"scale_dtype": "BF16"}),
+                                    ("qwen_fp8", {"block": (32, 32)}),
+                                    ("compressed_fp8", {}), ("compressed_fp8", {"strategy": "tensor"}),
+                                    ("compressed_fp8", {"static_input": True, "scale_dtype": "F32"}),
+                                    ("modelopt_nvfp4", {}), ("modelopt_nvfp4", {"in_config": True})])
+@pytest.mark.parametrize("shards", [1, 3])
+def test_released_layouts_load_exactly(tmp_path, fmt, kw, shards):
+    d, out = _write(tmp_path, "t", fmt, ODD, shards=shards, **kw)
+    llm = _check_loaded(d, out, kw.get("block", (128, 128)))
+    mem = llm.runner.weight_memory["target"]
+    fmt_name = "nvfp4" if fmt == "modelopt_nvfp4" else "fp8"
+    assert set(mem.stored) == {fmt_name, "bf16"}
+    packed = sum(v.nbytes for n, (tag, v) in out.items() if tag != "BF16" and not n.endswith("input_scale"))
+    assert mem.stored[fmt_name] >= packed - sum(v.nbytes for n, (_, v) in out.items() if "scale" in n)
+    assert mem.device[fmt_name] == 4 * sum(np.prod(_reference_at(out, n).shape) for n, (tag, _) in out.items()
+                                           if tag in ("F8_E4M3", "U8") and n.endswith(".weight")
+                                           and not n.endswith("weight_scale"))
+
+
+def test_released_fp8_dims_off_the_block_grid_use_a_row_map(tmp_path):
+    d, out = _write(tmp_path, "t", "qwen_fp8", ODD)
+    qc = json.loads((d / "config.json").read_text())["quantization_config"]
+    assert qc["weight_block_size"] == [128, 128]
+    assert out["model.layers.0.self_attn.q_proj.weight_scale_inv"][1].shape == (1, 1)  # 80 x 80: one partial block
+    assert out["model.layers.0.mlp.down_proj.weight_scale_inv"][1].shape == (1, 2)  # 80 x 208
+    _check_loaded(d, out)
+
+
+@pytest.mark.parametrize("fmt", ["qwen_fp8", "compressed_fp8", "modelopt_nvfp4", "at_load"])
+def test_quantized_target_speculative_greedy_equals_autoregressive(tmp_path, fmt):
+    shape = TinyShape(num_layers=3, target_layer_ids=[0, 2])
+    tensors, config = _target(tmp_path, shape, seed=7)
+    if fmt == "at_load":
+        target = write_model(tmp_path / "t", config, tensors)
+        out = None
+    else:
+        target, out = _write(tmp_path, "t", fmt, shape)
+    drafter = write_model(tmp_path / "d", draft_config(shape), draft_tensors(shape, np.random.default_rng(8), tensors))
+    kw = dict(backend="cpu", kv_block_size=8, quantize="fp8" if fmt == "at_load" else None)
+    prompts = [[int(x) for x in np.random.default_rng(s).integers(2, 250, 10 + s)] for s in range(3)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    ar = LLM(target, **kw).generate(prompts, params)
+    spec = LLM(target, draft=drafter, quantize_draft=fmt == "at_load", **kw).generate(prompts, params)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in ar] and len(ar[0].token_ids) == 20
+    assert all(r.acceptance_lengths for r in spec)  # it did run speculative steps
+    if out is not None:  # the quantized model is what ran: its weights are the stored codes'
+        layer = LLM(target, **kw).runner.target.layers[0]
+        assert np.array_equal(layer.o_proj, _reference_at(out, "model.layers.0.self_attn.o_proj.weight"))
+
+
+# ---- quantize="fp8" at load
+def test_quantize_fp8_at_load_converts_projections_only(tmp_path):
+    tensors, config = _target(tmp_path, ODD)
+    target = write_model(tmp_path / "t", config, tensors)
+    llm = LLM(target, backend="cpu", kv_block_size=8, quantize="fp8")
+    t = llm.runner.target
+    ckpt = Checkpoint(target)
+    q = lambda n: dequantize(quantize_fp8_block(ckpt.float32(n)))  # noqa: E731
+    a = "model.layers.1.self_attn."
+    assert np.array_equal(t.layers[1].qkv, np.concatenate([q(a + f"{x}_proj.weight") for x in "qkv"]))
+    assert np.array_equal(t.layers[1].down, q("model.layers.1.mlp.down_proj.weight"))
+    assert not np.array_equal(t.layers[1].down, ckpt.float32("model.layers.1.mlp.down_proj.weight"))
+    for name, got in (("model.embed_tokens.weight", t.embed_tokens), ("lm_head.weight", t.lm_head),
+                      ("model.norm.weight", t.norm), (a + "q_norm.weight", t.layers[1].q_norm)):
+        assert np.array_equal(got, ckpt.float32(name)), name
+    mem = llm.runner.weight_memory["target"]
+    n_proj = sum(v.size for n, v in tensors.items() if n.endswith("_proj.weight"))
+    # Per layer, float32 scales: q, k, v, o one block each, gate and up 2 x 1, down 1 x 2; and the fused qkv's row
+    # map (int32 per row: 80 + 16 + 16 rows, off the 128-row grid).
+    per_layer = 4 * (4 + 2 + 2 + 2) + 4 * 112
+    assert mem.stored["fp8"] == n_proj + 2 * per_layer and mem.device["fp8"] == 4 * n_proj
+
+
+def test_quantize_choices_are_checked(tmp_path):
+    tensors, config = _target(tmp_path, ODD)
+    target = write_model(tmp_path / "t", config, tensors)
+    with pytest.raises(ConfigError, match="quantize must be one of 'fp8'"):
+        LLM(target, backend="cpu", quantize="int4")
+    with pytest.raises(ConfigError, match="quantize_draft needs quantize"):
+        LLM(target, backend="cpu", quantize_draft=True)
+    nvfp4, _ = _write(tmp_path, "n", "modelopt_nvfp4", ODD)
+    with pytest.raises(ConfigError, match="already quantized as nvfp4.*requantizing"):
+        LLM(nvfp4, backend="cpu", quantize="fp8")
+    channel, _ = _write(tmp_path, "c", "compressed_fp8", ODD)
+    with pytest.raises(ConfigError, match="already quantized as compressed-tensors"):
+        LLM(channel, backend="cpu", quantize="fp8")
+    fp8, out = _write(tmp_path, "f", "qwen_fp8", ODD)  # the same layout: accepted, and nothing changes
+    same = LLM(fp8, backend="cpu", kv_block_size=8, quantize="fp8").runner.target
+    assert np.array_equal(same.layers[0].qkv, LLM(fp8, backend="cpu", kv_block_size=8).runner.target.layers[0].qkv)
+
+
+# ---- refusals
+def _config_with(tmp_path: Path, qc: dict | None, hf: dict | None = None) -> Path:
+    tensors, config = _target(tmp_path, ODD)
+    if qc is not None:
+        config["quantization_config"] = qc
+    d = write_model(tmp_path / "r", config, tensors)
+    if hf is not None:
+        (d / "hf_quant_config.json").write_text(json.dumps(hf))
+    return d
+
+
+CT_GROUP = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}
+
+
+@pytest.mark.parametrize("qc,message", [
+    ({"quant_method": "gptq", "bits": 4}, "quant_method' is 'gptq': not supported"),
+    ({"quant_method": "awq", "bits": 4}, "'awq'"),
+    ({"quant_method": "mxfp4"}, "'mxfp4'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
+    ({"bits": 4}, "quant_method' is missing"),
+    ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
+     "activation_scheme' is 'static'"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "weight_block_size' is missing: per-tensor FP8"),
+    ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "fmt' is 'e5m2'"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size' should be"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": CT_GROUP},
+     "format' is 'pack-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": CT_GROUP},
+     "'nvfp4-pack-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": CT_GROUP}, "'int-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized",
+      "config_groups": {"g": {"weights": {"num_bits": 4, "type": "float", "strategy": "group"}}}},
+     "config_groups.g.weights' is 'float' with 4 bits"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized",
+      "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "group"}}}},
+     "strategy' is 'group'"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": CT_GROUP,
+      "sparsity_config": {"format": "sparse-24"}}, "sparsity_config' is set"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8"}, "quant_algo' is 'FP8': not supported"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4_AWQ"}, "'NVFP4_AWQ'"),
+    ({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"}, "'MIXED_PRECISION'"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32}, "group_size' is 32"),
+])
+def test_unsupported_formats_are_refused_by_name(tmp_path, qc, message):
+    d = _config_with(tmp_path, qc)
+    with pytest.raises(ConfigError, match=message) as err:
+        LLM(d, backend="cpu")
+    assert str(d / "config.json") in str(err.value)
+
+
+def test_modelopt_hf_quant_config_is_read_and_checked(tmp_path):
+    hf = {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "W4A8_AWQ", "group_size": 128}}
+    d = _config_with(tmp_path, None, hf)
+    with pytest.raises(ConfigError, match=r"hf_quant_config.json: field 'quantization.quant_algo' is 'W4A8_AWQ'"):
+        read_quant_scheme(d)
+    d = _config_with(tmp_path / "b", {"quant_method": "fp8", "weight_block_size": [128, 128]},
+                     {"quantization": {"quant_algo": "NVFP4"}})
+    with pytest.raises(ConfigError, match="beside quant_method 'fp8'"):
+        read_quant_scheme(d)
+    d = _config_with(tmp_path / "c", {"quant_method": "modelopt", "quant_algo": "FP8"},
+                     {"quantization": {"quant_algo": "NVFP4"}})
+    with pytest.raises(ConfigError, match="quant_algo' is 'FP8' but"):
+        read_quant_scheme(d)
+
+
+def test_corrupt_quantized_checkpoints_name_the_tensor(tmp_path):
+    tensors, config = _target(tmp_path, ODD)
+    out, qc = qwen_fp8(tensors)
+    name = "model.layers.0.self_attn.k_proj.weight"
+
+    def load(variant: dict, cfg_qc=qc, sub="x"):
+        d = write_tagged_model(tmp_path / sub, {**config, "quantization_config": cfg_qc} if cfg_qc else config,
+                               variant)
+        LLM(d, backend="cpu")
+
+    missing = {n: v for n, v in out.items() if n != name + "_scale_inv"}
+    with pytest.raises(CheckpointError, match=r"k_proj.weight' is FP8 but its scale .*weight_scale_inv' is missing"):
+        load(missing, sub="a")
+    bad = {**out, name + "_scale_inv": ("F32", np.ones((2, 1), np.float32))}
+    with pytest.raises(CheckpointError, match=r"weight_scale_inv' \(FP8 weight scale\) has shape \[2, 1\], "
+                                              r"expected \[1, 1\]"):
+        load(bad, sub="b")
+    with pytest.raises(CheckpointError, match=r"has dtype F8_E4M3 .*declares no quantization_config"):
+        load(out, cfg_qc=None, sub="c")
+    mixed = {**out, name: ("BF16", np.zeros((16, 80), np.uint16))}
+    del mixed[name + "_scale_inv"]
+    with pytest.raises(CheckpointError, match=r"q_proj.weight' is quantized but .*k_proj.weight', fused with it, "
+                                              r"is not"):
+        load(mixed, sub="d")
+    u8 = {**out, name: ("U8", out[name][1])}
+    with pytest.raises(CheckpointError, match=r"k_proj.weight' has dtype U8, expected F8_E4M3"):
+        load(u8, sub="e")
+
+
+def test_nan_codes_are_caught_by_the_weight_check(tmp_path):
+    tensors, config = _target(tmp_path, ODD)
+    out, qc = qwen_fp8(tensors)
+    name = "model.layers.1.mlp.down_proj.weight"
+    codes = out[name][1].copy()
+    codes[3, 5] = 0xFF
+    d = write_tagged_model(tmp_path / "n", {**config, "quantization_config": qc}, {**out, name: ("F8_E4M3", codes)})
+    with pytest.raises(CheckpointError, match="down_proj.weight' holds NaN or Inf"):
+        LLM(d, backend="cpu")
+
+
+def test_quantized_drafter_checkpoints_are_refused(tmp_path):
+    tensors, config = _target(tmp_path, ODD)
+    target = write_model(tmp_path / "t", config, tensors)
+    shape = ODD
+    dcfg = {**draft_config(shape), "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    drafter = write_model(tmp_path / "d", dcfg, draft_tensors(shape, np.random.default_rng(1), tensors))
+    with pytest.raises(ConfigError, match="a quantized drafter checkpoint is not supported"):
+        LLM(target, draft=drafter, backend="cpu")
+
+
+def test_random_weights_refuse_quantize(tmp_path):
+    tensors, config = _target(tmp_path, ODD)
+    target = write_model(tmp_path / "t", config, tensors)
+    with pytest.raises(ConfigError, match="random weights"):
+        LLM(target, backend="cpu", random_weights=True, quantize="fp8")
+
+
+def test_cli_quantize_reaches_the_engine_for_generate_serve_and_bench():
+    from cudflash.cli import build_parser, engine_kwargs
+
+    parser = build_parser()
+    for command in ("generate", "serve"):
+        args = parser.parse_args([command, "--target", "t", "--quantize", "fp8", "--quantize-draft"])
+        kw = engine_kwargs(args)
+        assert kw["quantize"] == "fp8" and kw["quantize_draft"] is True
+        assert engine_kwargs(parser.parse_args([command, "--target", "t"]))["quantize"] is None
+    bench = parser.parse_args(["bench", "--target", "t", "--quantize", "fp8"])
+    assert bench.quantize == "fp8" and bench.quantize_draft is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--target", "t", "--quantize", "int4"])
+
+
+def test_generate_command_with_quantize(tmp_path, capsys):
+    from cudflash.cli import main
+    from cudflash.tiny import write_random_pair
+
+    target, drafter = write_random_pair(tmp_path, TinyShape(num_layers=3, target_layer_ids=[0, 2]), seed=2)
+    out = tmp_path / "out.jsonl"
+    main(["generate", "--target", str(target), "--draft", str(drafter), "--backend", "cpu", "--quantize", "fp8",
+          "--prompts", str(_prompt_file(tmp_path)), "--max-new-tokens", "4", "--output", str(out)])
+    line = json.loads(out.read_text().splitlines()[0])
+    assert len(line["token_ids"]) == 4
+    assert "target weights: fp8 " in capsys.readouterr().err
+
+
+def _prompt_file(tmp_path: Path) -> Path:
+    f = tmp_path / "prompts.jsonl"
+    f.write_text(json.dumps({"prompt_ids": [5, 6, 7, 8]}) + "\n")
+    return f
+
+
+# ---- the trained tiny pair, quantized
+PAIR_PROMPTS = 6  # of its 32 dev prompts: scripts/quant_tau.py measures all of them
+
+
+@pytest.mark.parametrize("variant", ["fp8 at load", "nvfp4 on disk"])
+def test_tiny_pair_quantized_speculative_greedy_equals_autoregressive(tiny_pair, tmp_path, variant):
+    from tests.quant_checkpoints import copy_side_files, write_quantized
+
+    prompts = json.loads((tiny_pair / "prompts_dev.json").read_text())["prompts"][:PAIR_PROMPTS]
+    target, kw = tiny_pair / "target", {"quantize": "fp8"}
+    if variant == "nvfp4 on disk":
+        ckpt = Checkpoint(target)
+        config = json.loads((target / "config.json").read_text())
+        target = write_quantized(tmp_path / "nvfp4", config, {n: ckpt.float32(n) for n in ckpt.names},
+                                 "modelopt_nvfp4", shards=2)
+        copy_side_files(tiny_pair / "target", target)
+        kw = {}
+    params = SamplingParams(max_tokens=128, ignore_eos=True)
+    llm = LLM(target, draft=tiny_pair / "drafter", backend="cpu", **kw)
+    assert set(llm.runner.weight_memory["target"].stored) == {"fp8" if kw else "nvfp4", "bf16"}
+    spec = llm.generate(prompts, params)
+    ar = LLM(target, backend="cpu", **kw).generate(prompts, params)
+    assert [s.token_ids for s in spec] == [a.token_ids for a in ar]
+    # A real drafter still drafts for the quantized target (bf16: tau 2.6 on these prompts).
+    assert statistics.mean(statistics.mean(s.acceptance_lengths) for s in spec) > 1.5
