@@ -99,3 +99,10 @@ def test_an_installed_wheel_resolves_every_kernel_source(tmp_path):
         assert files and all(Path(f).resolve().parent == installed / "kernels" for f in files), name
         assert not re.search(r'^\s*#\s*include\s+"', text, flags=re.M), name  # every local header inlined
         assert _lines_by_file(text) == _lines_by_file(kernel_source.source(name)), name
+
+
+def test_every_subpackage_is_listed_for_the_wheel():
+    """pyproject.toml lists packages by hand: a new subpackage left out would install without it."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "cudflash").rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)

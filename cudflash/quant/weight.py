@@ -66,15 +66,15 @@ def dequantize(w: QuantizedWeight, xp=np):
     n, k = w.shape
     rows = xp.asarray(w.row_scales())
     if w.format == "fp8":
-        values = xp.asarray(decode_e4m3(np.arange(256, dtype=np.uint8)))[xp.asarray(w.data)]  # [N, K]
+        values = xp.take(xp.asarray(decode_e4m3(np.arange(256, dtype=np.uint8))), xp.asarray(w.data))  # [N, K]
         cols = xp.asarray(np.arange(k) // w.block[1])
         scale = xp.asarray(w.scale)[rows][:, cols]
         return values * scale
     if w.format == "nvfp4":
         codes = xp.asarray(w.data)
         nibbles = xp.stack([codes & 0x0F, codes >> 4], axis=-1).reshape(n, k)  # element 2j: low nibble of byte j
-        values = xp.asarray(decode_e2m1(np.arange(16, dtype=np.uint8)))[nibbles]
-        block_scale = xp.asarray(decode_e4m3(np.arange(256, dtype=np.uint8)))[xp.asarray(w.scale)]  # [N, K / 16]
+        values = xp.take(xp.asarray(decode_e2m1(np.arange(16, dtype=np.uint8))), nibbles)
+        block_scale = xp.take(xp.asarray(decode_e4m3(np.arange(256, dtype=np.uint8))), xp.asarray(w.scale))  # [N, K/16]
         product = (values.reshape(n, k // NVFP4_GROUP, NVFP4_GROUP) * block_scale[:, :, None]).reshape(n, k)
         g = xp.asarray(w.global_scale, dtype=xp.float32)
         return product * (g[:, None] if g.size == n and g.size != 1 else g.reshape(1, 1))
