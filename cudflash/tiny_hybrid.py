@@ -44,6 +44,7 @@ class HybridShape:
     max_position_embeddings: int = 4096
     eos_token_id: int = 0
     std: float = 0.08
+    embed_std: float = 1.0  # tied checkpoints want less: a token's own embedding otherwise wins its next logit
     vision: bool = True  # conditional class: write the vision tower's tensors
     mtp: bool = True  # write a multi-token-prediction head (mtp.*)
 
@@ -69,7 +70,7 @@ def language_tensors(s: HybridShape, rng: np.random.Generator) -> dict[str, np.n
     H, D, I = s.hidden_size, s.head_dim, s.intermediate_size
     hk, hv, dk, dv = s.linear_num_key_heads, s.linear_num_value_heads, s.linear_key_head_dim, s.linear_value_head_dim
     conv_dim = 2 * hk * dk + hv * dv
-    t: dict[str, np.ndarray] = {"embed_tokens.weight": _normal(rng, (s.vocab_size, H), 1.0)}
+    t: dict[str, np.ndarray] = {"embed_tokens.weight": _normal(rng, (s.vocab_size, H), s.embed_std)}
     for i, kind in enumerate(s.types()):
         p = f"layers.{i}."
         t[p + "input_layernorm.weight"] = _normal(rng, (H,), 0.1)  # zero-centred: scaled by 1 + w

@@ -196,4 +196,4 @@ def test_model_equals_a_direct_transcription_of_the_reference(tmp_path, tied):
     want = _reference_logits(d, model.cfg, ids)
     got, _, _ = OneSequence(model, 80).run(ids, "prefill")
     assert np.abs(want).max() > 1.0
-    np.testing.assert_allclose(got, want, rtol=1e-3, atol=2e-3)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=5e-4)  # float32 against float64: ~1e-4 apart
