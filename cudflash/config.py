@@ -62,6 +62,9 @@ class TargetConfig:
     o_proj_bias: bool  # an o_proj bias too (Llama / Qwen3 with attention_bias; never Qwen2)
     qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
     eos_token_ids: list[int] = field(default_factory=list)
+    # Qwen3.5 hybrids (arch "qwen3_5"): the GDN layers and conventions (hybrid_config.HybridConfig); the fields
+    # above then describe the full-attention layers. None for every other target.
+    hybrid: Any = None
 
 
 # Bounds on what a config may claim: a few times the largest released model, far below what would make an
@@ -302,6 +305,11 @@ def load_target_config(model_dir: str | Path) -> TargetConfig:
     cfg = read_config_json(model_dir)
     path = str(model_dir / "config.json")
     archs = _architectures(cfg, path)
+    from cudflash import hybrid_config  # here: it reads fields with this module's readers
+
+    family = hybrid_config.hybrid_family(cfg, archs, path)
+    if family is not None:
+        return _load_hybrid_config(model_dir, cfg, path, family)
     arch = next((TARGET_ARCHITECTURES[a] for a in archs if a in TARGET_ARCHITECTURES), None)
     if arch is None:
         found = archs or cfg.get("model_type") or "none given"
@@ -325,4 +333,26 @@ def load_target_config(model_dir: str | Path) -> TargetConfig:
         o_proj_bias=arch != "qwen2" and attention_bias,
         qk_norm=arch == "qwen3",
         eos_token_ids=_eos_ids(model_dir, cfg),
+    )
+
+
+def _load_hybrid_config(model_dir: Path, cfg: dict, path: str, family: str) -> TargetConfig:
+    """A Qwen3.5 dense hybrid (hybrid_config.py): the language model's fields, under text_config or at the top."""
+    from cudflash import hybrid_config as hc
+
+    text, where = hc.text_fields(cfg, family, path)
+    _check_mlp(text, path)
+    dims = transformer_dims(hc.rope_source(text), path)
+    hybrid = hc.parse_hybrid(text, where, path, family, dims["num_layers"], dims["head_dim"], _int, _float, _bool)
+    eos_src = text if text.get("eos_token_id") is not None else cfg
+    return TargetConfig(
+        path=str(model_dir), arch="qwen3_5",
+        vocab_size=_int(text, "vocab_size", path, label=where + "vocab_size", maximum=MAX_VOCAB),
+        **dims,
+        max_position_embeddings=_int(text, "max_position_embeddings", path, label=where + "max_position_embeddings",
+                                     maximum=MAX_POSITIONS),
+        tie_word_embeddings=hc.tied_embeddings(cfg, text, family, path, _bool),
+        attention_bias=False, o_proj_bias=False, qk_norm=True,
+        eos_token_ids=_eos_ids(model_dir, {"eos_token_id": eos_src.get("eos_token_id")}),
+        hybrid=hybrid,
     )

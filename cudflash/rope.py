@@ -84,3 +84,43 @@ def device_rope_tables(backend: Any, rope: RopeConfig, head_dim: int, max_positi
     (ModelRunner.max_positions), never by the config's max_position_embeddings alone."""
     cos, sin = rope_tables(rope, head_dim, max_positions)
     return backend.asarray(cos, "f32"), backend.asarray(sin, "f32")
+
+
+def partial_rope_tables(rope: RopeConfig, head_dim: int, rotary_dim: int,
+                        max_positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [max_positions, head_dim // 2] for heads whose first `rotary_dim` channels RoPE rotates (rotate-half
+    within them) and whose other channels pass through, *after* the channel permutation `partial_rotary_order`: the
+    pair (i, i + rotary_dim / 2) then sits at (i, i + head_dim / 2), which the full-width rotate-half op rotates with
+    column i of the tables, and every other column is cos = 1, sin = 0 (x * 1 - y * 0 == x exactly). So the op set's
+    RoPE serves partial rotary unchanged; q and k are permuted alike, which leaves q . k as it was."""
+    cos, sin = rope_tables(rope, rotary_dim, max_positions)  # [P, rotary_dim / 2]: the frequencies of dim rotary_dim
+    full_cos = np.ones((max_positions, head_dim // 2), dtype=np.float32)
+    full_sin = np.zeros((max_positions, head_dim // 2), dtype=np.float32)
+    full_cos[:, : rotary_dim // 2], full_sin[:, : rotary_dim // 2] = cos, sin
+    return full_cos, full_sin
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> np.ndarray:
+    """The channel order of one head that partial_rope_tables assumes: [rot first half | pass first half | rot second
+    half | pass second half], as indices into the checkpoint's order [rot (rotary_dim) | pass]."""
+    r, p = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    rot1, rot2 = np.arange(r), np.arange(r, 2 * r)
+    pass1, pass2 = np.arange(2 * r, 2 * r + p), np.arange(2 * r + p, head_dim)
+    return np.concatenate([rot1, pass1, rot2, pass2])
+
+
+def mrope_angles(inv_freq: np.ndarray, positions: np.ndarray, section: list[int], interleaved: bool) -> np.ndarray:
+    """Multimodal RoPE angles [T, len(inv_freq)] from positions [3, T] (temporal, height, width): frequency j takes
+    the position of its axis. Interleaved (Qwen3.5): j % 3 == 1 (j < 3 * section[1]) is height, j % 3 == 2
+    (j < 3 * section[2]) width, the rest temporal; otherwise consecutive blocks of section[0], [1], [2]. The reference
+    for text-only positions, where every axis has the same position and this is plain RoPE."""
+    angles = positions.astype(np.float32)[:, :, None] * inv_freq[None, None, :]  # [3, T, F]
+    axis = np.zeros(len(inv_freq), dtype=np.int64)
+    j = np.arange(len(inv_freq))
+    if interleaved:
+        axis[(j % 3 == 1) & (j < 3 * section[1])] = 1
+        axis[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    else:
+        axis[section[0]:section[0] + section[1]] = 1
+        axis[section[0] + section[1]:] = 2
+    return np.take_along_axis(angles, axis[None, None, :].repeat(angles.shape[1], 1), axis=0)[0]

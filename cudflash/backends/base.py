@@ -134,6 +134,24 @@ class Backend(Protocol):
     def pair_scores(self, unary: Any, cand: Any, pred: Any, hidden: Any, pred_table: Any,
                     succ_table: Any) -> Any: ...  # selector lattice, f32 [R, P, K]
 
+    # ---- hybrid targets (Gated DeltaNet layers); numpy_backend.py holds the reference definitions. Sequence s owns
+    # rows meta.cu_seqlens_q[s]..[s+1]-1 and the state slot slots[s] (int32 [n]; < 0: a padding sequence, skipped) of
+    # the pools conv_states [S, C, K-1] and states [S, Hv, dk, dv] (float32). commit: write the state after the
+    # sequence's last row into its slot; else leave the pools as they were (a verify: rollback keeps the old state).
+    # Depthwise causal conv over the rows of each sequence after its conv state, then SiLU: x [T, C], weight [C, K].
+    def causal_conv1d(self, x: Any, weight: Any, conv_states: Any, slots: Any, meta: AttentionMeta,
+                      commit: bool) -> Any: ...
+    # The gated delta rule over qkv [T, 2 Hk dk + Hv dv] (the conv's output: q | k | v), a, b [T, Hv], A_log, dt_bias
+    # [Hv] (float32); returns o [T, Hv * dv] float32. Chunked (chunks of 64 rows: prefill) and token by token (decode,
+    # verify) compute the same function.
+    def gdn_chunked(self, qkv: Any, a: Any, b: Any, A_log: Any, dt_bias: Any, states: Any, slots: Any,
+                    meta: AttentionMeta, commit: bool) -> Any: ...
+    def gdn_recurrent(self, qkv: Any, a: Any, b: Any, A_log: Any, dt_bias: Any, states: Any, slots: Any,
+                      meta: AttentionMeta, commit: bool) -> Any: ...
+    # RMSNorm over each head_dim group of x [T, heads * head_dim], times weight [head_dim] (float32), times silu(z).
+    def gated_rms_norm(self, x: Any, z: Any, weight: Any, eps: float, head_dim: int) -> Any: ...
+    def sigmoid_gate(self, x: Any, gate: Any) -> Any: ...  # x * sigmoid(gate), both [T, W]
+
 
 def refuse_deferred(cls: type) -> type:
     """Class decorator: every op of `Backend` on `cls` except DEFERRED_READERS raises BackendError when an argument

@@ -580,3 +580,27 @@ class CudaBackend:
                 (r_rows, cdiv(p, _PS_TILE), cdiv(k, _PS_TILE)), (256,),
                 (unary, cand, pred, hidden, i64(sh), a, i64(sa), b, i64(sb), out, i32(p), i32(k), i32(rank)))
         return out
+
+    # ---- hybrid targets: not on the GPU yet (issue #22). Each raises rather than compute something else; the
+    # numpy backend defines them (NumpyBackend.gdn_chunked and its neighbours).
+    def _hybrid_op_missing(self, op: str):
+        raise BackendError(f"cuda backend: {op} (Gated DeltaNet hybrid targets) has no CUDA kernel yet; run hybrid "
+                           f"targets on the cpu backend")
+
+    def causal_conv1d(self, x: Any, weight: Any, conv_states: Any, slots: Any, meta: AttentionMeta,
+                      commit: bool) -> Any:
+        self._hybrid_op_missing("causal_conv1d")
+
+    def gdn_chunked(self, qkv: Any, a: Any, b: Any, A_log: Any, dt_bias: Any, states: Any, slots: Any,
+                    meta: AttentionMeta, commit: bool) -> Any:
+        self._hybrid_op_missing("gdn_chunked")
+
+    def gdn_recurrent(self, qkv: Any, a: Any, b: Any, A_log: Any, dt_bias: Any, states: Any, slots: Any,
+                      meta: AttentionMeta, commit: bool) -> Any:
+        self._hybrid_op_missing("gdn_recurrent")
+
+    def gated_rms_norm(self, x: Any, z: Any, weight: Any, eps: float, head_dim: int) -> Any:
+        self._hybrid_op_missing("gated_rms_norm")
+
+    def sigmoid_gate(self, x: Any, gate: Any) -> Any:
+        self._hybrid_op_missing("sigmoid_gate")

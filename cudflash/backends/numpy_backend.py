@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 
+from cudflash.backends import gdn_numpy
 from cudflash.backends.base import AttentionMeta, DeferredNorm, refuse_deferred
 from cudflash.checkpoint import bf16_bits_to_float32
 from cudflash.quant.weight import QuantizedWeight, dequantize
@@ -233,3 +234,24 @@ class NumpyBackend:
         """
         a = pred_table[pred] * hidden[:, None, :]  # [R, P, r]
         return unary[:, None, :] + np.einsum("tpj,tcj->tpc", a, succ_table[cand]).astype(np.float32)
+
+    # ---- hybrid targets (Gated DeltaNet): the definitions are in gdn_numpy.py
+    def causal_conv1d(self, x: np.ndarray, weight: np.ndarray, conv_states: np.ndarray, slots: np.ndarray,
+                      meta: AttentionMeta, commit: bool) -> np.ndarray:
+        return gdn_numpy.causal_conv1d(x, weight, conv_states, slots, meta.cu_seqlens_q, commit)
+
+    def gdn_chunked(self, qkv, a, b, A_log, dt_bias, states, slots, meta: AttentionMeta, commit: bool) -> np.ndarray:
+        return gdn_numpy.gated_delta_rule(qkv, a, b, A_log, dt_bias, states, slots, meta.cu_seqlens_q, commit,
+                                          gdn_numpy.chunked)
+
+    def gdn_recurrent(self, qkv, a, b, A_log, dt_bias, states, slots, meta: AttentionMeta,
+                      commit: bool) -> np.ndarray:
+        return gdn_numpy.gated_delta_rule(qkv, a, b, A_log, dt_bias, states, slots, meta.cu_seqlens_q, commit,
+                                          gdn_numpy.recurrent)
+
+    def gated_rms_norm(self, x: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float,
+                       head_dim: int) -> np.ndarray:
+        return gdn_numpy.gated_rms_norm(x, z, weight, eps, head_dim)
+
+    def sigmoid_gate(self, x: np.ndarray, gate: np.ndarray) -> np.ndarray:
+        return x * (np.float32(1.0) / (np.float32(1.0) + np.exp(-gate)))

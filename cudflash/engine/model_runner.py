@@ -18,7 +18,7 @@ from cudflash.draft_config import DraftConfig
 from cudflash.engine.block_manager import BlockManager
 from cudflash.engine.sequence import Sequence
 from cudflash.engine.step_inputs import Chunk, StepTensors, fill, layout_for
-from cudflash.errors import BackendError
+from cudflash.errors import BackendError, ConfigError
 from cudflash.models.batch import ForwardBatch, KVCache
 from cudflash.models.dflash import DFlashDraftModel
 from cudflash.models.target import TargetModel
@@ -77,6 +77,10 @@ class ModelRunner:
                  max_num_seqs: int = 64, memory_utilization: float = 0.9, progress: bool = False,
                  random_weights: bool = False, max_model_len: int | None = None, check_weights: bool = True,
                  target_quant: QuantScheme | None = None, quantize: str | None = None, quantize_draft: bool = False):
+        if target_cfg.hybrid is not None:  # models/hybrid.py runs them; the engine's state pool is not there yet
+            raise ConfigError(f"{target_cfg.path}: {target_cfg.hybrid.checkpoint_class} (a Gated DeltaNet hybrid) "
+                              f"runs only through cudflash.models.hybrid's reference loop so far; the engine does "
+                              f"not serve hybrid targets yet")
         self.backend, self.target_cfg, self.draft_cfg = backend, target_cfg, draft_cfg
         # The longest prompt + output served; positions reach a draft block (and one pending token) past it.
         self.max_model_len = max_model_len or target_cfg.max_position_embeddings

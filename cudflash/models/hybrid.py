@@ -1,0 +1,243 @@
+"""The Qwen3.5 / Qwen3.6 dense hybrid target: Gated DeltaNet layers and gated full-attention layers, with taps.
+
+The decoder layer is TargetModel's pre-norm block (the residual add and the next norm fused into the GEMM in front,
+so `residual` after layer i's down_proj is the tap of layer i); only the token mixer differs:
+- GDN layer (hybrid_config.LINEAR): one GEMM for in_proj_qkv | in_proj_z | in_proj_b | in_proj_a; causal conv1d with
+  the sequence's conv state; the gated delta rule with its recurrent state (chunked for prefill, token by token for
+  decode and verify); gated RMSNorm with silu(z); out_proj.
+- attention layer: one GEMM for [query | k | v | gate] (q_proj's rows split per head into query and gate, which the
+  checkpoint interleaves head by head); q_norm / k_norm; partial rotary through the full-width RoPE op by permuting
+  the query and key channels (rope.partial_rotary_order; q . k is unchanged); paged attention; output * sigmoid(gate).
+Decoder RMSNorm weights are stored as 1 + weight (the family's convention), so the op set's RMSNorm applies them.
+
+State: `HybridCache` holds the KV of the attention layers and, per GDN layer, the conv and recurrent state pools
+indexed by a per-sequence state slot. A forward in mode "verify" leaves the pools as they were and returns a
+`GDNTape` (each GDN layer's raw in_proj rows); `commit` re-runs the accepted prefix of those rows, which leaves
+exactly the state after them (backends/gdn_numpy.py explains the choice and its memory arithmetic).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cudflash.backends.base import Backend, build_meta
+from cudflash.checkpoint import Checkpoint
+from cudflash.config import TargetConfig
+from cudflash.hybrid_config import LINEAR
+from cudflash.models.batch import ForwardBatch, KVCache
+from cudflash.models.weights import RandomWeights, WeightLoader
+from cudflash.rope import partial_rope_tables, partial_rotary_order
+
+MODES = ("prefill", "decode", "verify")  # chunked + commit | recurrent + commit | recurrent, pools untouched
+
+
+@dataclass(slots=True)
+class GDNLayer:
+    input_norm: Any  # [H], 1 + weight
+    in_proj: Any  # [C + Hv dv + 2 Hv, H]: qkv (C = 2 Hk dk + Hv dv) | z | b | a
+    conv: Any  # [C, K]
+    A_log: Any  # [Hv] float32
+    dt_bias: Any  # [Hv] float32
+    norm: Any  # [dv] float32 (weight itself: the gated norm is not zero-centred)
+    out_proj: Any  # [H, Hv dv]
+    post_norm: Any  # [H], 1 + weight
+    gate_up: Any  # [2 I, H]
+    down: Any  # [H, I]
+
+
+@dataclass(slots=True)
+class AttentionLayer:
+    input_norm: Any  # [H], 1 + weight
+    qkvg: Any  # [(Hq + 2 Hk) D + Hq D, H]: query (channels permuted) | k (permuted) | v | gate
+    q_norm: Any  # [D], 1 + weight, permuted
+    k_norm: Any  # [D], 1 + weight, permuted
+    o_proj: Any  # [H, Hq D]
+    post_norm: Any  # [H], 1 + weight
+    gate_up: Any  # [2 I, H]
+    down: Any  # [H, I]
+
+
+@dataclass(slots=True)
+class HybridCache:
+    kv: KVCache  # k, v: [attention layers, num_blocks, block_size, Hk, D]
+    conv: Any  # [GDN layers, state slots, C, K - 1] float32: the last K-1 raw in_proj_qkv rows of each sequence
+    states: Any  # [GDN layers, state slots, Hv, dk, dv] float32
+
+
+@dataclass(slots=True)
+class GDNTape:
+    """What a verify forward keeps for the commit: per GDN layer, its in_proj rows (qkv | z | b | a) [T, W]."""
+
+    rows: list[Any]
+    meta: Any  # the verify's AttentionMeta (row ranges per sequence)
+
+
+def _host(loader: WeightLoader | RandomWeights, backend: Backend, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A small vector as float32 on the host: from the checkpoint itself where there is one (an F32 tensor keeps
+    every bit, whatever the backend's activation dtype), else the value the loader made."""
+    x = loader.get(name, shape)  # the checks and the progress count
+    if isinstance(loader, WeightLoader):
+        return loader.ckpt.float32(loader.prefix + name, shape)
+    return backend.to_numpy(x).astype(np.float32)
+
+
+def skipped_tensors(ckpt: Checkpoint, cfg: TargetConfig) -> list[str]:
+    """The checkpoint's tensors no hybrid model reads (vision tower, multi-token prediction): never uploaded."""
+    return [n for n in ckpt.names if n.startswith(cfg.hybrid.skipped_prefixes)]
+
+
+class HybridTargetModel:
+    def __init__(self, cfg: TargetConfig, loader: WeightLoader | RandomWeights, backend: Backend):
+        assert cfg.hybrid is not None, "HybridTargetModel needs a Qwen3.5 hybrid config"
+        self.cfg, self.h, self.b = cfg, cfg.hybrid, backend
+        h, b = cfg.hybrid, backend
+        H, D, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        P = h.tensor_prefix
+        self.embed_tokens = loader.get(P + "embed_tokens.weight", (cfg.vocab_size, H))  # [V, H]
+        order = partial_rotary_order(D, h.rotary_dim)
+
+        def norm(name: str, n: int, perm: np.ndarray | None = None) -> Any:
+            w = _host(loader, b, name, (n,)) + np.float32(h.norm_offset)
+            return b.load("F32", w if perm is None else w[perm])
+
+        def f32(name: str, shape: tuple[int, ...]) -> Any:
+            return b.asarray(_host(loader, b, name, shape), "f32")
+
+        def rows(x: Any, idx: np.ndarray) -> Any:
+            return b.take_rows(x, b.asarray(idx, "i32"))
+
+        hq, hk = cfg.num_heads, cfg.num_kv_heads
+        q_rows = np.concatenate([hd * 2 * D + order for hd in range(hq)])  # query channels of q_proj, permuted
+        g_rows = np.concatenate([hd * 2 * D + D + np.arange(D) for hd in range(hq)])  # the gate channels
+        k_rows = np.concatenate([hd * D + order for hd in range(hk)])
+        C, vd, hv = h.conv_dim, h.value_dim, h.linear_num_value_heads
+        self.layers: list[GDNLayer | AttentionLayer] = []
+        for i, kind in enumerate(h.layer_types):
+            p = f"{P}layers.{i}."
+            mlp = dict(post_norm=norm(p + "post_attention_layernorm.weight", H),
+                       gate_up=loader.gate_up(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", (I, H)),
+                       down=loader.get(p + "mlp.down_proj.weight", (H, I)))
+            if kind == LINEAR:
+                a = p + "linear_attn."
+                self.layers.append(GDNLayer(
+                    input_norm=norm(p + "input_layernorm.weight", H),
+                    in_proj=loader.fused([(a + "in_proj_qkv.weight", (C, H)), (a + "in_proj_z.weight", (vd, H)),
+                                          (a + "in_proj_b.weight", (hv, H)), (a + "in_proj_a.weight", (hv, H))]),
+                    conv=loader.get(a + "conv1d.weight", (C, 1, h.linear_conv_kernel_dim)).reshape(C, -1),
+                    A_log=f32(a + "A_log", (hv,)), dt_bias=f32(a + "dt_bias", (hv,)),
+                    norm=f32(a + "norm.weight", (h.linear_value_head_dim,)),
+                    out_proj=loader.get(a + "out_proj.weight", (H, vd)), **mlp))
+            else:
+                a = p + "self_attn."
+                q = loader.get(a + "q_proj.weight", (2 * hq * D, H))
+                k = loader.get(a + "k_proj.weight", (hk * D, H))
+                v = loader.get(a + "v_proj.weight", (hk * D, H))
+                self.layers.append(AttentionLayer(
+                    input_norm=norm(p + "input_layernorm.weight", H),
+                    qkvg=b.cat([rows(q, q_rows), rows(k, k_rows), v, rows(q, g_rows)], axis=0),
+                    q_norm=norm(a + "q_norm.weight", D, order), k_norm=norm(a + "k_norm.weight", D, order),
+                    o_proj=loader.get(a + "o_proj.weight", (H, hq * D)), **mlp))
+        self.norm = norm(P + "norm.weight", H)  # [H], 1 + weight
+        if cfg.tie_word_embeddings and not loader.has("lm_head.weight"):
+            self.lm_head = self.embed_tokens  # [V, H], tied
+        else:
+            self.lm_head = loader.get("lm_head.weight", (cfg.vocab_size, H))  # [V, H]
+        self.rope_cos: Any = None  # [max_positions, D / 2] float32 (partial_rope_tables), set by set_rope
+        self.rope_sin: Any = None
+        self.scale = D ** -0.5
+        self.qkv_width = (hq + 2 * hk) * D
+
+    # ---------------------------------------------------------------- state
+    def set_rope(self, max_positions: int) -> None:
+        cos, sin = partial_rope_tables(self.cfg.rope, self.cfg.head_dim, self.h.rotary_dim, max_positions)
+        self.rope_cos, self.rope_sin = self.b.asarray(cos, "f32"), self.b.asarray(sin, "f32")
+
+    def new_cache(self, num_blocks: int, block_size: int, state_slots: int) -> HybridCache:
+        """Zeroed pools (a fresh slot must be zero: the reference starts every sequence from zero states)."""
+        cfg, h, b = self.cfg, self.h, self.b
+        kv_shape = (len(h.full_layers), num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        n = len(h.linear_layers)
+        return HybridCache(
+            kv=KVCache(b.zeros(kv_shape, "act"), b.zeros(kv_shape, "act")),
+            conv=b.zeros((n, state_slots, h.conv_dim, h.linear_conv_kernel_dim - 1), "f32"),
+            states=b.zeros((n, state_slots, h.linear_num_value_heads, h.linear_key_head_dim,
+                            h.linear_value_head_dim), "f32"))
+
+    # ---------------------------------------------------------------- forward
+    def embed(self, ids: Any) -> Any:
+        return self.b.embedding(ids, self.embed_tokens)
+
+    def forward(self, batch: ForwardBatch, cache: HybridCache, state_slots: Any, mode: str,
+                tap_layers: list[int] | None = None) -> tuple[Any, Any | None, GDNTape | None]:
+        """Causal forward over the batch's rows, sequence s reading (and, unless mode is "verify", advancing) the
+        state in slot state_slots[s]. Returns (final-normed hidden [T, H], taps [T, K H] or None, the tape of a
+        verify or None)."""
+        assert mode in MODES, mode
+        b, cfg, h = self.b, self.cfg, self.h
+        eps, last = cfg.rms_norm_eps, len(self.layers) - 1
+        gdn = b.gdn_chunked if mode == "prefill" else b.gdn_recurrent
+        commit = mode != "verify"
+        tape: list[Any] = []
+        residual = self.embed(batch.ids)
+        hidden = b.rms_norm(residual, self.layers[0].input_norm, eps)
+        taps: dict[int, Any] = {}
+        n_lin = n_full = 0
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, GDNLayer):
+                proj = b.linear(hidden, layer.in_proj, out_f32=True)
+                if mode == "verify":
+                    tape.append(proj)
+                mixed = self._gdn_mixer(layer, proj, cache, n_lin, state_slots, batch.meta, gdn, commit)
+                n_lin += 1
+                hidden, residual = b.linear_add_rms_norm(mixed, layer.out_proj, None, residual, layer.post_norm, eps)
+            else:
+                qkvg = b.linear(hidden, layer.qkvg, out_f32=True)
+                q = b.rope_store(qkvg[:, : self.qkv_width], cfg.num_heads, batch.positions, self.rope_cos,
+                                 self.rope_sin, layer.q_norm, layer.k_norm, eps, batch.slots, cache.kv.k[n_full],
+                                 cache.kv.v[n_full])
+                attn = b.attention(q, cache.kv.k[n_full], cache.kv.v[n_full], batch.meta, self.scale, causal=True)
+                n_full += 1
+                attn = b.sigmoid_gate(attn, qkvg[:, self.qkv_width:])
+                hidden, residual = b.linear_add_rms_norm(attn, layer.o_proj, None, residual, layer.post_norm, eps)
+            act = b.swiglu(hidden, layer.gate_up)
+            if i < last:
+                hidden, residual = b.linear_add_rms_norm(act, layer.down, None, residual,
+                                                         self.layers[i + 1].input_norm, eps)
+            else:
+                hidden, residual = b.add_rms_norm(b.linear(act, layer.down, out_f32=True), residual, self.norm, eps)
+            if tap_layers and i in tap_layers:
+                taps[i] = b.asarray(residual, "act")  # the residual stream after layer i
+        out_taps = b.cat([taps[i] for i in tap_layers], axis=1) if tap_layers else None
+        return hidden, out_taps, (GDNTape(tape, batch.meta) if mode == "verify" else None)
+
+    def _gdn_mixer(self, layer: GDNLayer, proj: Any, cache: HybridCache, j: int, state_slots: Any, meta: Any,
+                   gdn: Any, commit: bool, outputs: bool = True) -> Any:
+        """GDN layer j's token mixer on its in_proj rows: conv, the delta rule, the gated norm (before out_proj);
+        outputs=False (a commit): the states advance and the output rows are not normed."""
+        b, h = self.b, self.h
+        C, vd, hv = h.conv_dim, h.value_dim, h.linear_num_value_heads
+        qkv = b.causal_conv1d(proj[:, :C], layer.conv, cache.conv[j], state_slots, meta, commit)
+        o = gdn(qkv, proj[:, C + vd + hv:], proj[:, C + vd: C + vd + hv], layer.A_log, layer.dt_bias,
+                cache.states[j], state_slots, meta, commit)
+        if not outputs:
+            return None
+        return b.gated_rms_norm(o, proj[:, C: C + vd], layer.norm, self.cfg.rms_norm_eps, h.linear_value_head_dim)
+
+    def commit(self, tape: GDNTape, cache: HybridCache, state_slots: Any, accepted: list[int]) -> None:
+        """After a verify: advance each sequence's conv and recurrent states by its first accepted[s] verify rows
+        (the pending token and the accepted drafts), re-running them from the states the verify left untouched."""
+        b = self.b
+        cu = tape.meta.cu_seqlens_q
+        assert len(accepted) == len(cu) - 1 and all(0 <= n <= cu[s + 1] - cu[s] for s, n in enumerate(accepted))
+        keep = np.concatenate([np.arange(cu[s], cu[s] + n) for s, n in enumerate(accepted)]).astype(np.int32)
+        meta = build_meta(list(accepted), list(accepted), [[0]] * len(accepted))  # the row ranges are all it reads
+        rows = b.asarray(keep, "i32")
+        gdn_layers = [layer for layer in self.layers if isinstance(layer, GDNLayer)]
+        for j, (layer, proj) in enumerate(zip(gdn_layers, tape.rows)):
+            self._gdn_mixer(layer, b.take_rows(proj, rows), cache, j, state_slots, meta, b.gdn_recurrent, True,
+                            outputs=False)
+
+    def logits(self, hidden: Any) -> Any:
+        return self.b.linear(hidden, self.lm_head, out_f32=True)  # float32 logits: no bf16 ties at argmax
