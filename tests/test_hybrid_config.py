@@ -114,6 +114,18 @@ def test_the_existing_engine_refuses_a_hybrid_target_clearly(tmp_path):
     expect_error(e, "Qwen3_5ForConditionalGeneration", "hybrid")
 
 
+def test_a_tree_budget_on_a_hybrid_target_is_refused_naming_the_recurrent_layers(tmp_path):
+    from cudflash import LLM
+    from cudflash.tiny import write_random_pair
+    from cudflash.tiny_hybrid import write_hybrid_target
+
+    target = write_hybrid_target(tmp_path / "t", HybridShape())
+    _, drafter = write_random_pair(tmp_path / "pair")
+    with pytest.raises(ConfigError) as e:
+        LLM(target, draft=drafter, backend="cpu", draft_options={"tree_budget": 15})
+    expect_error(e, "tree budget", "Gated DeltaNet", "--tree-budget")
+
+
 # ------------------------------------------------------------------------------------------------ RoPE
 
 def _reference_partial_rotary(x: np.ndarray, angles: np.ndarray, rotary_dim: int) -> np.ndarray:

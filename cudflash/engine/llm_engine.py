@@ -76,11 +76,18 @@ class LLM:
         self.draft_cfg = load_draft_config(draft) if draft is not None else None
         # The target's quantized format (None: unquantized) and the quantize choices, checked (quant/options.py).
         self.target_quant = check_quantize(target, draft, quantize, quantize_draft, random_weights)
-        self.tokenizer = load_tokenizer(target)
         # Drafting choices (DraftOptions: drafter windows, DSpark cuts, draft trees): lossless, off by default.
         self.draft_options = DraftOptions(**draft_options) if isinstance(draft_options, dict) else draft_options
         if self.draft_options is not None and self.draft_cfg is None:
             raise ConfigError("draft options need a drafter (--draft)")
+        if self.target_cfg.hybrid is not None and self.draft_options is not None \
+                and self.draft_options.tree_budget is not None:
+            # A tree's sibling rows would each advance the recurrent state from the same parent: the GDN layers
+            # verify one path per sequence.
+            raise ConfigError(f"{target}: a tree budget needs a target of attention layers only; this "
+                              f"{self.target_cfg.hybrid.checkpoint_class} has recurrent (Gated DeltaNet) layers, "
+                              f"which verify the drafter's single path: drop --tree-budget")
+        self.tokenizer = load_tokenizer(target)
         if self.draft_cfg is not None:
             validate_pair(self.target_cfg, self.draft_cfg)
             self.draft_cfg = apply_draft_options(self.draft_cfg, self.draft_options or DraftOptions())
