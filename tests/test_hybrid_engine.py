@@ -93,6 +93,36 @@ def test_partial_acceptance_commits_exactly_the_accepted_prefix(pairs, reference
     assert set(lens) == {right + 1}
 
 
+def test_a_sequence_that_emits_nothing_commits_nothing_and_the_others_go_on(pairs, reference):
+    """Non-finite logits in one sequence's verify rows (step 4) finish it with an error: its state slot takes none
+    of the step's rows and comes back; the other sequences of the batch commit theirs and stay exact."""
+    target, drafter = pairs["causal"]
+    llm = LLM(target, draft=drafter, backend="cpu", max_num_seqs=4)
+    llm.proposer = HalfRight({tuple(p): w for p, w in zip(PROMPTS, reference)}, right=2)
+    real_forward, real_logits, forwards = llm.runner.target_forward, llm.runner.target.logits, []
+
+    def forward(*args, **kwargs):
+        forwards.append(1)
+        return real_forward(*args, **kwargs)
+
+    def poisoned(hidden):
+        out = real_logits(hidden)
+        if len(forwards) == 4 and not getattr(poisoned, "done", False):
+            poisoned.done = True
+            out = out.copy()
+            out[0, 3] = np.nan  # the first scored row of the fourth step: the first decode's pending token
+        return out
+
+    llm.runner.target_forward, llm.runner.target.logits = forward, poisoned
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.finish_reason for o in outs].count("error") == 1
+    for out, want in zip(outs, reference):
+        assert out.token_ids == (want if out.finish_reason != "error" else want[:len(out.token_ids)])
+    assert sorted(llm.runner.states.free_live) == list(range(4))
+    llm.runner.target_forward, llm.runner.target.logits = real_forward, real_logits
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+
+
 @pytest.mark.parametrize("heads", [TinyHeads(kind="dspark", dialect="nested"), TinyHeads(kind="dflash2")],
                          ids=["dspark", "dflash2"])
 def test_dspark_and_dflash2_heads_on_a_hybrid_target(tmp_path, pairs, reference, heads):
