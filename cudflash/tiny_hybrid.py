@@ -4,19 +4,20 @@ Both checkpoint classes: `Qwen3_5ForConditionalGeneration` (config fields under 
 tower under `model.visual.` with the tensor names and shapes transformers' Qwen3_5VisionModel declares, the language
 model under `model.language_model.`, an `mtp.` head) and `Qwen3_5ForCausalLM` (`model.` prefix, an `mtp.` head too:
 transformers ignores both `mtp.*` and `model.visual.*` on load). One file, or shards with an index. The same seed
-gives the same language-model tensors in both classes, so their outputs must agree.
+gives the same language-model tensors in both classes, so their outputs must agree. `write_hybrid_drafter` writes a
+random drafter (DFlash, DFlash2 or DSpark, cudflash.tiny's writer) whose taps index the hybrid stack.
 
 Value scales follow the family's conventions: decoder RMSNorm weights are zero-centred (the model scales by
 1 + weight), the GDN output norm's are one-centred; A_log = log(A) with A in [0.5, 4]; dt_bias around 0.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-from cudflash.tiny import write_model
+from cudflash.tiny import TinyShape, draft_config, draft_tensors, write_model
 
 
 @dataclass(slots=True)
@@ -186,3 +187,13 @@ def hybrid_tensors(s: HybridShape, seed: int = 0) -> dict[str, np.ndarray]:
 def write_hybrid_target(directory: str | Path, shape: HybridShape | None = None, seed: int = 0) -> Path:
     s = shape or HybridShape()
     return write_model(directory, hybrid_config_json(s), hybrid_tensors(s, seed), s.dtype, s.shards)
+
+
+def write_hybrid_drafter(directory: str | Path, target: HybridShape, drafter: TinyShape | None = None,
+                         seed: int = 0) -> Path:
+    """A tiny random drafter for the hybrid target of shape `target`: the drafter fields of `drafter` (its layers,
+    heads, block size, family, `target_layer_ids` into the hybrid stack, sliding-window layers) with the target's
+    vocabulary, hidden size and layer count. It borrows the target's embedding and LM head (no DeepSpec copies)."""
+    s = replace(drafter or TinyShape(), vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+                num_layers=target.num_layers, max_position_embeddings=target.max_position_embeddings)
+    return write_model(directory, draft_config(s), draft_tensors(s, np.random.default_rng(seed)), s.dtype)

@@ -63,23 +63,37 @@ class BlockManager:
         so the prefill produces the logits it needs and never writes into a shared block.
         """
         assert not seq.block_table and seq.num_cached == 0
-        if not self.enable_prefix_caching:
-            return
+        if self.enable_prefix_caching:
+            self.take_prefix(seq, self.cached_prefix(seq))
+
+    def cached_prefix(self, seq: Sequence) -> list[tuple[int, int]]:
+        """(block id, chain hash) of each block of the longest cached prefix of the sequence's prefill, leaving at
+        least one token to compute; nothing is taken."""
         tokens, bs = seq.token_ids, self.block_size
-        prefix_hash = -1
+        prefix_hash, found = -1, []
         for i in range((seq.prefill_end - 1) // bs):
             chunk = tokens[i * bs:(i + 1) * bs]
             prefix_hash = chain_hash(chunk, prefix_hash)
             block_id = self.hash_to_block.get(prefix_hash)
             if block_id is None or self.blocks[block_id].token_ids != chunk:
                 break
+            found.append((block_id, prefix_hash))
+        return found
+
+    def take_prefix(self, seq: Sequence, prefix: list[tuple[int, int]]) -> None:
+        """The sequence takes these cached blocks (cached_prefix's, or a leading part of them) as its first."""
+        for block_id, _ in prefix:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 self.free_blocks.remove(block_id)
             block.ref_count += 1
             seq.block_table.append(block_id)
         seq.num_cached = seq.num_hashed_blocks = len(seq.block_table)
-        seq.num_cached *= bs
+        seq.num_cached *= self.block_size
+
+    def prefill_chunk(self, seq: Sequence, n: int) -> int:
+        """How many of the n prefill tokens the scheduler offers the sequence it computes in this step."""
+        return n
 
     def hash_committed(self, seq: Sequence) -> None:
         """Register the blocks that became full of committed tokens since the last call."""
@@ -108,11 +122,15 @@ class BlockManager:
         for _ in range(need):
             block = self.blocks[self.free_blocks.popleft()]
             if block.hash != -1:  # evict the revivable contents it held
-                if self.hash_to_block.get(block.hash) == block.block_id:
-                    del self.hash_to_block[block.hash]
-                block.hash, block.token_ids = -1, []
+                self.forget(block)
             block.ref_count = 1
             seq.block_table.append(block.block_id)
+
+    def forget(self, block: Block) -> None:
+        """A revivable block is taken for new contents: its hash leaves the prefix cache."""
+        if self.hash_to_block.get(block.hash) == block.block_id:
+            del self.hash_to_block[block.hash]
+        block.hash, block.token_ids = -1, []
 
     def trim(self, seq: Sequence, num_positions: int) -> None:
         """Roll back: release the blocks that hold only positions >= num_positions."""

@@ -20,7 +20,9 @@ from cudflash.engine.sequence import Sequence
 from cudflash.engine.step_inputs import Chunk, StepTensors, fill, layout_for
 from cudflash.errors import BackendError, ConfigError
 from cudflash.models.batch import ForwardBatch, KVCache
+from cudflash.engine.state_pool import HybridBlockManager, StateSlots
 from cudflash.models.dflash import DFlashDraftModel
+from cudflash.models.hybrid import GDNTape, HybridCache, HybridTargetModel, state_use
 from cudflash.models.target import TargetModel
 from cudflash.models.weights import RandomWeights, WeightLoader, WeightMemory
 from cudflash.quant import QuantScheme
@@ -77,10 +79,9 @@ class ModelRunner:
                  max_num_seqs: int = 64, memory_utilization: float = 0.9, progress: bool = False,
                  random_weights: bool = False, max_model_len: int | None = None, check_weights: bool = True,
                  target_quant: QuantScheme | None = None, quantize: str | None = None, quantize_draft: bool = False):
-        if target_cfg.hybrid is not None:  # models/hybrid.py runs them; the engine's state pool is not there yet
-            raise ConfigError(f"{target_cfg.path}: {target_cfg.hybrid.checkpoint_class} (a Gated DeltaNet hybrid) "
-                              f"runs only through cudflash.models.hybrid's reference loop so far; the engine does "
-                              f"not serve hybrid targets yet")
+        if target_cfg.hybrid is not None and backend.name == "cuda":
+            raise ConfigError(f"{target_cfg.path}: {target_cfg.hybrid.checkpoint_class} is a Gated DeltaNet hybrid: "
+                              f"the GPU kernels for Gated DeltaNet layers are not there yet; use backend='cpu'")
         self.backend, self.target_cfg, self.draft_cfg = backend, target_cfg, draft_cfg
         # The longest prompt + output served; positions reach a draft block (and one pending token) past it.
         self.max_model_len = max_model_len or target_cfg.max_position_embeddings
@@ -95,7 +96,8 @@ class ModelRunner:
         self.weight_memory: dict[str, WeightMemory] = {}
         # A checkpoint already in block-scaled FP8 keeps its own choice of unquantized modules (LLM checks the rest).
         target_loader = loader(target_cfg.path, "target", target_quant, None if target_quant else quantize)
-        self.target = TargetModel(target_cfg, target_loader, backend)
+        self.hybrid = target_cfg.hybrid is not None
+        self.target = (HybridTargetModel if self.hybrid else TargetModel)(target_cfg, target_loader, backend)
         self.draft: DFlashDraftModel | None = None
         self.tap_layers: list[int] = []
         draft_loader = None
@@ -109,32 +111,51 @@ class ModelRunner:
                 if progress:
                     print(f"{label} weights: {used.memory.describe()}", file=sys.stderr, flush=True)
         t, d = target_cfg, draft_cfg
-        per_position = t.num_layers * 2 * t.num_kv_heads * t.head_dim
+        attention_layers = len(t.hybrid.full_layers) if self.hybrid else t.num_layers  # GDN layers hold no KV
+        per_position = attention_layers * 2 * t.num_kv_heads * t.head_dim
         if d is not None:
             per_position += d.num_layers * 2 * d.num_kv_heads * d.head_dim
         bytes_per_block = per_position * kv_block_size * backend.act_itemsize
+        # Hybrid targets: a live GDN state per admitted sequence, 2 x max_num_seqs prefix snapshots and the zero
+        # slot (engine/state_pool.py), charged to the budget before the KV blocks are sized.
+        self.states = StateSlots(max_num_seqs, 2 * max_num_seqs, self._copy_states) if self.hybrid else None
+        state_bytes = self.states.size * self.target.state_bytes_per_slot() if self.hybrid else 0
         if num_kv_blocks is None:
             wanted = max_num_seqs * seq_blocks
-            budget = int(backend.memory_budget(memory_utilization) // bytes_per_block)
+            budget = int((backend.memory_budget(memory_utilization) - state_bytes) // bytes_per_block)
             # A max_model_len asked for must fit whole; else sequences are as long as the pool allows.
             if budget < (seq_blocks if max_model_len else -(-(max_block_size + 3) // kv_block_size)):
+                states = f" after {state_bytes / 2**20:.1f} MiB of GDN states" if state_bytes else ""
                 raise BackendError(
-                    f"too little memory for the KV cache: room for {budget} blocks of {kv_block_size} tokens "
-                    f"({bytes_per_block / 2**20:.1f} MiB each); raise the memory utilization or free memory"
+                    f"too little memory for the KV cache{states}: room for {max(budget, 0)} blocks of "
+                    f"{kv_block_size} tokens ({bytes_per_block / 2**20:.1f} MiB each); raise the memory utilization "
+                    f"or free memory"
                 )
             num_kv_blocks = min(wanted, budget)
-        self.blocks = BlockManager(num_kv_blocks, kv_block_size)
-        shape = lambda c: (c.num_layers, num_kv_blocks + 1, kv_block_size, c.num_kv_heads, c.head_dim)  # noqa: E731
+        shape = lambda c, layers: (layers, num_kv_blocks + 1, kv_block_size, c.num_kv_heads, c.head_dim)  # noqa: E731
+        self.cache: HybridCache | None = None  # hybrid targets: the KV of the attention layers and the state pools
         try:
-            self.target_kv = KVCache(backend.zeros(shape(t), "act"), backend.zeros(shape(t), "act"))
-            self.draft_kv = KVCache(backend.zeros(shape(d), "act"), backend.zeros(shape(d), "act")) if d else None
+            if self.hybrid:
+                self.blocks: BlockManager = HybridBlockManager(num_kv_blocks, kv_block_size, self.states)
+                self.cache = self.target.new_cache(num_kv_blocks + 1, kv_block_size, self.states.size)
+                self.target_kv = self.cache.kv
+            else:
+                self.blocks = BlockManager(num_kv_blocks, kv_block_size)
+                self.target_kv = KVCache(backend.zeros(shape(t, t.num_layers), "act"),
+                                         backend.zeros(shape(t, t.num_layers), "act"))
+            self.draft_kv = KVCache(backend.zeros(shape(d, d.num_layers), "act"),
+                                    backend.zeros(shape(d, d.num_layers), "act")) if d else None
         except MemoryError:
             raise BackendError(f"too little memory for a KV cache of {num_kv_blocks} blocks of {kv_block_size} tokens "
                                f"({num_kv_blocks * bytes_per_block / 2**30:.1f} GiB)") from None
+        self.tape: GDNTape | None = None  # the last target forward's, until commit_states consumes it
+        self.tape_slots: Any = None  # int32 [n]: the state slots of that forward's sequences
         # Every position a sequence reaches has a slot in the pool: the RoPE tables need no more rows than that.
         max_positions = min(self.max_model_len, num_kv_blocks * kv_block_size) + max_block_size + 1
         for model in (self.target, self.draft):
-            if model is not None:  # [max_positions, D / 2] each
+            if isinstance(model, HybridTargetModel):
+                model.set_rope(max_positions)  # partial rotary: its own tables
+            elif model is not None:  # [max_positions, D / 2] each
                 model.rope_cos, model.rope_sin = device_rope_tables(backend, model.cfg.rope, model.cfg.head_dim,
                                                                     max_positions)
         self.max_blocks = -(-max_positions // kv_block_size)  # block-table width of every staged batch
@@ -153,7 +174,46 @@ class ModelRunner:
 
     # ---- model calls
     def target_forward(self, batch: ForwardBatch, with_taps: bool = True) -> tuple[Any, Any | None]:
-        return self.target.forward(batch, self.target_kv, self.tap_layers if with_taps and self.tap_layers else None)
+        taps = self.tap_layers if with_taps and self.tap_layers else None
+        if not self.hybrid:
+            return self.target.forward(batch, self.target_kv, taps)
+        assert batch.state_slots is not None, "a hybrid target's batch names each sequence's state slot"
+        use = state_use(self.backend, batch.state_slots, batch.meta.cu_seqlens_q, batch.chunked_seqs, False)
+        hidden, taps_out, self.tape = self.target.forward(batch, self.cache, use, taps)
+        self.tape_slots = use.slots
+        return hidden, taps_out
+
+    def commit_states(self, seqs: list[Sequence], accepted: list[int | None], before: list[int]) -> None:
+        """After acceptance, on a hybrid target (else nothing to do). `seqs`: the last target forward's sequences in
+        its order; accepted[i]: how many of sequence i's verify rows it committed (the pending token and the accepted
+        drafts; 0 if it emitted nothing), or None for a prefill chunk, which committed its rows in the forward;
+        before[i]: its committed length before the step. The GDN states advance by those rows; where the committed
+        length passed a block boundary whose block is now hashed, the state there becomes a snapshot (a verify's
+        rows are committed in two runs, up to the boundary and after it; a prefill chunk must end on it)."""
+        if not self.hybrid:
+            return
+        tape, self.tape = self.tape, None
+        blocks: HybridBlockManager = self.blocks  # type: ignore[assignment]
+        rows = [n or 0 for n in accepted]
+        upto, snaps = list(rows), []
+        for i, (s, n, start) in enumerate(zip(seqs, accepted, before)):
+            boundary = blocks.snapshot_boundary(s, start, s.num_cached)
+            if boundary is None or (n is None and boundary != s.num_cached):
+                continue
+            snaps.append((blocks.block_hash(s, boundary), s.state_slot))
+            upto[i] = 0 if n is None else boundary - start
+        if tape is not None:
+            self.target.commit(tape, self.cache, self.tape_slots, upto)
+        self.states.take(snaps)
+        if tape is not None and upto != rows:
+            self.target.commit(tape, self.cache, self.tape_slots, rows, done=upto)
+
+    def _copy_states(self, src: list[int], dst: list[int]) -> None:
+        """Every GDN layer's conv and recurrent state from slots src to slots dst (state_pool.CopyStates)."""
+        b, c = self.backend, self.cache
+        s, d = (b.asarray(np.asarray(x, dtype=np.int32), "i32") for x in (src, dst))
+        for pool in (c.conv, c.states):  # [layers, slots, ...] viewed as copy_slots' [layers, slots, 1, ...]
+            b.copy_slots(pool.reshape(pool.shape[0], pool.shape[1], 1, -1), s, d)
 
     def draft_context(self, taps: Any, batch: ForwardBatch) -> None:
         """Feed the taps of every row of the batch to the drafter's context cache, at the rows' positions."""

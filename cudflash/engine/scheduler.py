@@ -95,7 +95,7 @@ class Scheduler:
         return plan
 
     def _plan_prefill(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
-        n = min(budget, seq.prefill_end - seq.num_cached)
+        n = self.blocks.prefill_chunk(seq, min(budget, seq.prefill_end - seq.num_cached))
         if n <= 0 or not self.blocks.can_reserve(seq, seq.num_cached + n):
             return budget
         self.blocks.reserve(seq, seq.num_cached + n)

@@ -51,6 +51,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0
     num_hashed_blocks: int = 0  # leading blocks of block_table registered in the prefix cache
+    state_slot: int = -1  # hybrid targets: the GDN state slot (engine/state_pool.py) while admitted; -1: none
     acceptance_lengths: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None

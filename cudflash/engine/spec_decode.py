@@ -6,7 +6,9 @@ Per decoding sequence with L committed tokens and a pending token t:
 2. verify: ONE target forward over every prefill chunk and every [t, drafts] block -> float32 logits of the rows
    that need them -> their argmax (and the taps of `target_layer_ids` for the drafter);
 3. accept (host): the longest prefix of drafts equal to the target's choices, and one target token;
-4. commit: the drafter's context from the taps, and the KV cache rolled back to the committed tokens.
+4. commit: the drafter's context from the taps, and the KV cache rolled back to the committed tokens; on a hybrid
+   target, the GDN states (which the verify left as they were) advance by the committed rows
+   (ModelRunner.commit_states).
 
 The phases' device work is three methods, `propose`, `verify` and `commit_context`: the eager path calls them on
 freshly staged inputs, and a CUDA graph (cuda_graph.py) records exactly those calls over static inputs and replays
@@ -219,6 +221,8 @@ class SpeculativeStep:
         """The accepted tokens become committed; a sequence that emitted nothing (non-finite logits) finishes with
         an error, and its K/V of this step is never offered to the prefix cache."""
         blocks = self.runner.blocks
+        seqs = [s for s, _ in plan.prefills] + plan.decodes  # the verify batch's order
+        before = [s.num_cached for s in seqs]
         failed = {s.seq_id for s, tokens in first if not tokens}
         failed |= {s.seq_id for s, tokens in zip(plan.decodes, emitted) if not tokens}
         for s, n in plan.prefills:
@@ -238,6 +242,9 @@ class SpeculativeStep:
             s.output_ids.extend(tokens)
             blocks.trim(s, s.num_cached + 1)  # roll back: slots past the pending token are scratch again
             blocks.hash_committed(s)
+        # Hybrid targets: the verified sequences' GDN states advance by the rows they committed (prefill chunks
+        # committed theirs in the forward), and states at the block boundaries passed become snapshots.
+        self.runner.commit_states(seqs, [None] * len(plan.prefills) + [len(t) for t in emitted], before)
 
 
 class Eager:
@@ -267,7 +274,9 @@ class Eager:
                             0 if every else len(score_rows), r.max_blocks)
         host = np.empty(layout.size, dtype=np.int32)
         longest = fill(host, layout, chunks, r.blocks.block_size, r.dummy_block, () if every else score_rows)
-        inp = StepTensors(layout, host, self.b.asarray(host, "i32"), longest, score_first=score_first)
+        inp = StepTensors(layout, host, self.b.asarray(host, "i32"), longest, score_first=score_first,
+                          state_slots=np.array([c.seq.state_slot for c in chunks], dtype=np.int32),
+                          chunked_seqs=len(prefill))
         if drafting:
             inp.verify_ids = self.b.zeros((layout.rows,), "i32")
             inp.rows = self.phases.head_rows(len(decode), q)

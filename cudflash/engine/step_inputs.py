@@ -139,6 +139,8 @@ class StepTensors:
     verify_ids: Any = None  # int32 [T]: ids with the drafts in place of the masks (a drafting step), else ids
     rows: HeadRows | None = None  # the drafter heads' index rows of the decode blocks (a drafting step)
     score_first: list[int] | None = None  # per sequence: the index of its first scored row among the logits rows
+    state_slots: np.ndarray | None = None  # int32 [n] host: each sequence's GDN state slot (hybrid targets)
+    chunked_seqs: int = 0  # leading sequences that are prefill chunks (the rest decode)
     _verify: ForwardBatch | None = field(default=None, repr=False)  # verify_batch, once built
 
     def _view(self, a: Any, name: str) -> Any:
@@ -179,7 +181,8 @@ class StepTensors:
     def verify_batch(self, backend: Any) -> ForwardBatch:
         """The target's batch (verify and commit_context both read it: built once)."""
         if self._verify is None:
-            self._verify = ForwardBatch(self.verify_ids, self.positions, self.slots, self.meta(backend))
+            self._verify = ForwardBatch(self.verify_ids, self.positions, self.slots, self.meta(backend),
+                                        self.state_slots, self.chunked_seqs)
         return self._verify
 
     def draft_batch(self, backend: Any) -> ForwardBatch:

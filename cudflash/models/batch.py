@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from cudflash.backends.base import AttentionMeta
 
 
@@ -13,6 +15,10 @@ class ForwardBatch:
     positions: Any  # int32 [T] absolute positions (device)
     slots: Any  # int32 [T] paged-cache slot of each row (device)
     meta: AttentionMeta  # per-sequence row ranges, context lengths and block tables
+    # Hybrid targets: each sequence's GDN state slot (host int32 [n], -1: none), and how many leading sequences are
+    # prefill chunks (they commit their states in the forward; the others are verified and commit after acceptance).
+    state_slots: np.ndarray | None = None
+    chunked_seqs: int = 0
 
 
 @dataclass(slots=True)

@@ -11,9 +11,11 @@ so `residual` after layer i's down_proj is the tap of layer i); only the token m
 Decoder RMSNorm weights are stored as 1 + weight (the family's convention), so the op set's RMSNorm applies them.
 
 State: `HybridCache` holds the KV of the attention layers and, per GDN layer, the conv and recurrent state pools
-indexed by a per-sequence state slot. A forward in mode "verify" leaves the pools as they were and returns a
-`GDNTape` (each GDN layer's raw in_proj rows); `commit` re-runs the accepted prefix of those rows, which leaves
-exactly the state after them (backends/gdn_numpy.py explains the choice and its memory arithmetic).
+indexed by a per-sequence state slot. `StateUse` says per forward which sequences commit: prefill chunks (chunked
+form) always do; the token-by-token rows either commit (decode) or leave the pools as they were (verify), and then
+the forward returns a `GDNTape` (each GDN layer's raw in_proj rows); `commit` re-runs the accepted prefix of those
+rows, which leaves exactly the state after them (backends/gdn_numpy.py explains the choice and its memory
+arithmetic). One engine step mixes both kinds (prefill chunks first, then verifies).
 """
 from __future__ import annotations
 
@@ -72,6 +74,48 @@ class GDNTape:
 
     rows: list[Any]
     meta: Any  # the verify's AttentionMeta (row ranges per sequence)
+
+
+@dataclass(slots=True)
+class StateUse:
+    """How the sequences of one forward use their GDN states. The first sequences (rows 0 .. split - 1: prefill
+    chunks lead a batch) run the chunked form and commit; the others run token by token and either commit (decode)
+    or leave the pools as they were and are taped for `commit` (verify)."""
+
+    slots: Any  # int32 [n] on the backend: every sequence's state slot (-1: a padding sequence)
+    chunked_slots: Any | None  # int32 [n]: the chunked sequences' slots, -1 for the others; None: there are none
+    recurrent_slots: Any | None  # int32 [n]: the token-by-token sequences' slots, -1 for the others; None: none
+    split: int  # rows of the chunked sequences
+    commit_recurrent: bool
+
+    @property
+    def taped(self) -> bool:
+        return self.recurrent_slots is not None and not self.commit_recurrent
+
+
+def state_use(b: Backend, slots: np.ndarray, cu_seqlens: np.ndarray, chunked: int, commit_recurrent: bool) -> StateUse:
+    """StateUse of a batch whose first `chunked` of n sequences (host slots int32 [n], row ranges cu [n + 1]) are
+    prefill chunks."""
+    slots = np.asarray(slots, dtype=np.int32)
+    n = len(slots)
+    every = b.asarray(slots, "i32")
+
+    def only(lo: int, hi: int) -> Any:
+        if lo == hi:
+            return None
+        if hi - lo == n:
+            return every
+        masked = np.full(n, -1, dtype=np.int32)
+        masked[lo:hi] = slots[lo:hi]
+        return b.asarray(masked, "i32")
+
+    return StateUse(every, only(0, chunked), only(chunked, n), int(cu_seqlens[chunked]), commit_recurrent)
+
+
+def mode_use(b: Backend, slots: np.ndarray, cu_seqlens: np.ndarray, mode: str) -> StateUse:
+    """The StateUse of a whole batch in one of MODES."""
+    assert mode in MODES, mode
+    return state_use(b, slots, cu_seqlens, len(slots) if mode == "prefill" else 0, mode == "decode")
 
 
 def _host(loader: WeightLoader | RandomWeights, backend: Backend, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -165,20 +209,24 @@ class HybridTargetModel:
             states=b.zeros((n, state_slots, h.linear_num_value_heads, h.linear_key_head_dim,
                             h.linear_value_head_dim), "f32"))
 
+    def state_bytes_per_slot(self) -> int:
+        """Bytes of one state slot over every GDN layer: conv [C, K-1] and recurrent [Hv, dk, dv], float32."""
+        h = self.h
+        per_layer = h.conv_dim * (h.linear_conv_kernel_dim - 1) + \
+            h.linear_num_value_heads * h.linear_key_head_dim * h.linear_value_head_dim
+        return len(h.linear_layers) * per_layer * 4
+
     # ---------------------------------------------------------------- forward
     def embed(self, ids: Any) -> Any:
         return self.b.embedding(ids, self.embed_tokens)
 
-    def forward(self, batch: ForwardBatch, cache: HybridCache, state_slots: Any, mode: str,
+    def forward(self, batch: ForwardBatch, cache: HybridCache, use: StateUse,
                 tap_layers: list[int] | None = None) -> tuple[Any, Any | None, GDNTape | None]:
-        """Causal forward over the batch's rows, sequence s reading (and, unless mode is "verify", advancing) the
-        state in slot state_slots[s]. Returns (final-normed hidden [T, H], taps [T, K H] or None, the tape of a
-        verify or None)."""
-        assert mode in MODES, mode
-        b, cfg, h = self.b, self.cfg, self.h
+        """Causal forward over the batch's rows, each sequence reading (and, as `use` says, advancing) the state in
+        its slot. Returns (final-normed hidden [T, H], taps [T, K H] or None, the tape when some sequence does not
+        commit, else None)."""
+        b, cfg = self.b, self.cfg
         eps, last = cfg.rms_norm_eps, len(self.layers) - 1
-        gdn = b.gdn_chunked if mode == "prefill" else b.gdn_recurrent
-        commit = mode != "verify"
         tape: list[Any] = []
         residual = self.embed(batch.ids)
         hidden = b.rms_norm(residual, self.layers[0].input_norm, eps)
@@ -187,9 +235,9 @@ class HybridTargetModel:
         for i, layer in enumerate(self.layers):
             if isinstance(layer, GDNLayer):
                 proj = b.linear(hidden, layer.in_proj, out_f32=True)
-                if mode == "verify":
+                if use.taped:
                     tape.append(proj)
-                mixed = self._gdn_mixer(layer, proj, cache, n_lin, state_slots, batch.meta, gdn, commit)
+                mixed = self._gdn_mixer(layer, proj, cache, n_lin, use, batch.meta)
                 n_lin += 1
                 hidden, residual = b.linear_add_rms_norm(mixed, layer.out_proj, None, residual, layer.post_norm, eps)
             else:
@@ -210,34 +258,54 @@ class HybridTargetModel:
             if tap_layers and i in tap_layers:
                 taps[i] = b.asarray(residual, "act")  # the residual stream after layer i
         out_taps = b.cat([taps[i] for i in tap_layers], axis=1) if tap_layers else None
-        return hidden, out_taps, (GDNTape(tape, batch.meta) if mode == "verify" else None)
+        return hidden, out_taps, (GDNTape(tape, batch.meta) if use.taped else None)
 
-    def _gdn_mixer(self, layer: GDNLayer, proj: Any, cache: HybridCache, j: int, state_slots: Any, meta: Any,
-                   gdn: Any, commit: bool, outputs: bool = True) -> Any:
-        """GDN layer j's token mixer on its in_proj rows: conv, the delta rule, the gated norm (before out_proj);
-        outputs=False (a commit): the states advance and the output rows are not normed."""
+    def _gdn_mixer(self, layer: GDNLayer, proj: Any, cache: HybridCache, j: int, use: StateUse, meta: Any) -> Any:
+        """GDN layer j's token mixer on its in_proj rows: conv, the delta rule, the gated norm (before out_proj).
+        The chunked and the token-by-token sequences go through separate calls of each op (disjoint slots, the
+        other sequences' slots -1), whose rows are then put together: the op signatures stay per-call."""
         b, h = self.b, self.h
         C, vd, hv = h.conv_dim, h.value_dim, h.linear_num_value_heads
-        qkv = b.causal_conv1d(proj[:, :C], layer.conv, cache.conv[j], state_slots, meta, commit)
-        o = gdn(qkv, proj[:, C + vd + hv:], proj[:, C + vd: C + vd + hv], layer.A_log, layer.dt_bias,
-                cache.states[j], state_slots, meta, commit)
-        if not outputs:
-            return None
+        parts = []
+        for slots, gdn, commit, rows in ((use.chunked_slots, b.gdn_chunked, True, slice(0, use.split)),
+                                         (use.recurrent_slots, b.gdn_recurrent, use.commit_recurrent,
+                                          slice(use.split, None))):
+            if slots is None:
+                continue
+            o = self._delta_rule(layer, proj, cache, j, slots, meta, gdn, commit)
+            both = use.chunked_slots is not None and use.recurrent_slots is not None
+            parts.append(o[rows] if both else o)
+        o = parts[0] if len(parts) == 1 else b.cat(parts, axis=0)
         return b.gated_rms_norm(o, proj[:, C: C + vd], layer.norm, self.cfg.rms_norm_eps, h.linear_value_head_dim)
 
-    def commit(self, tape: GDNTape, cache: HybridCache, state_slots: Any, accepted: list[int]) -> None:
-        """After a verify: advance each sequence's conv and recurrent states by its first accepted[s] verify rows
-        (the pending token and the accepted drafts), re-running them from the states the verify left untouched."""
+    def _delta_rule(self, layer: GDNLayer, proj: Any, cache: HybridCache, j: int, slots: Any, meta: Any, gdn: Any,
+                    commit: bool) -> Any:
+        """conv + the gated delta rule of GDN layer j for the sequences with a slot in `slots`: o [T, Hv dv]."""
+        h = self.h
+        C, vd, hv = h.conv_dim, h.value_dim, h.linear_num_value_heads
+        qkv = self.b.causal_conv1d(proj[:, :C], layer.conv, cache.conv[j], slots, meta, commit)
+        return gdn(qkv, proj[:, C + vd + hv:], proj[:, C + vd: C + vd + hv], layer.A_log, layer.dt_bias,
+                   cache.states[j], slots, meta, commit)
+
+    def commit(self, tape: GDNTape, cache: HybridCache, state_slots: Any, accepted: list[int],
+               done: list[int] | None = None) -> None:
+        """After a verify: advance each sequence's conv and recurrent states by its verify rows done[s] ..
+        accepted[s] - 1 (the pending token and the accepted drafts, less the first done[s] already committed),
+        re-running them from the states the verify left untouched. state_slots: the verify's, int32 [n]."""
         b = self.b
         cu = tape.meta.cu_seqlens_q
-        assert len(accepted) == len(cu) - 1 and all(0 <= n <= cu[s + 1] - cu[s] for s, n in enumerate(accepted))
-        keep = np.concatenate([np.arange(cu[s], cu[s] + n) for s, n in enumerate(accepted)]).astype(np.int32)
-        meta = build_meta(list(accepted), list(accepted), [[0]] * len(accepted))  # the row ranges are all it reads
-        rows = b.asarray(keep, "i32")
+        done = done or [0] * len(accepted)
+        assert len(accepted) == len(done) == len(cu) - 1
+        assert all(0 <= d <= n <= cu[s + 1] - cu[s] for s, (d, n) in enumerate(zip(done, accepted)))
+        counts = [n - d for n, d in zip(accepted, done)]
+        if not any(counts):
+            return
+        keep = np.concatenate([np.arange(cu[s] + d, cu[s] + n) for s, (d, n) in enumerate(zip(done, accepted))])
+        meta = build_meta(counts, counts, [[0]] * len(counts))  # the row ranges are all the ops read
+        rows = b.asarray(keep.astype(np.int32), "i32")
         gdn_layers = [layer for layer in self.layers if isinstance(layer, GDNLayer)]
         for j, (layer, proj) in enumerate(zip(gdn_layers, tape.rows)):
-            self._gdn_mixer(layer, b.take_rows(proj, rows), cache, j, state_slots, meta, b.gdn_recurrent, True,
-                            outputs=False)
+            self._delta_rule(layer, b.take_rows(proj, rows), cache, j, state_slots, meta, b.gdn_recurrent, True)
 
     def logits(self, hidden: Any) -> Any:
         return self.b.linear(hidden, self.lm_head, out_f32=True)  # float32 logits: no bf16 ties at argmax

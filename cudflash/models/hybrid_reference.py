@@ -1,7 +1,7 @@
 """Plain loops over HybridTargetModel on one sequence: greedy decoding (prefill chunked, decode token by token) and a
 speculative greedy loop that verifies proposed drafts and rolls the hybrid state back, for tests and goldens.
 
-Neither is the engine (which does not serve hybrid targets yet): one sequence, state slot 0, KV in contiguous
+Neither is the engine (the engine's tests compare against these): one sequence, state slot 0, KV in contiguous
 blocks, no scheduler. The speculative loop is the engine's verify / accept / commit in miniature, so its output
 equals greedy decoding for any drafts exactly when the rollback is exact.
 """
@@ -13,7 +13,7 @@ import numpy as np
 
 from cudflash.backends.base import build_meta
 from cudflash.models.batch import ForwardBatch
-from cudflash.models.hybrid import HybridCache, HybridTargetModel
+from cudflash.models.hybrid import HybridCache, HybridTargetModel, mode_use
 
 KV_BLOCK = 16
 
@@ -27,7 +27,8 @@ class OneSequence:
             model.set_rope(max_len)
         self.blocks = -(-max_len // KV_BLOCK)
         self.cache: HybridCache = model.new_cache(self.blocks, KV_BLOCK, state_slots=1)
-        self.slots = self.b.asarray(np.zeros(1, np.int32), "i32")
+        self.slots = np.zeros(1, np.int32)  # host; the state slot of the one sequence
+        self.slots_device = self.b.asarray(self.slots, "i32")
         self.length = 0  # tokens whose KV and state are committed
 
     def run(self, ids: list[int], mode: str, tap_layers: list[int] | None = None):
@@ -37,7 +38,8 @@ class OneSequence:
         meta = b.prepare_meta(build_meta([n], [self.length + n], [list(range(self.blocks))]))
         batch = ForwardBatch(b.asarray(np.asarray(ids, np.int32), "i32"), b.asarray(pos, "i32"),
                              b.asarray(pos, "i32"), meta)  # contiguous blocks: a position's slot is the position
-        hidden, taps, tape = self.model.forward(batch, self.cache, self.slots, mode, tap_layers)
+        use = mode_use(b, self.slots, meta.cu_seqlens_q, mode)
+        hidden, taps, tape = self.model.forward(batch, self.cache, use, tap_layers)
         return b.to_numpy(self.model.logits(hidden)), taps, tape
 
 
@@ -73,7 +75,7 @@ def speculative_greedy(model: HybridTargetModel, prompt: list[int], max_new: int
         a = 0
         while a < len(drafts) and drafts[a] == best[a]:
             a += 1
-        model.commit(tape, seq.cache, seq.slots, [a + 1])  # the pending token and a drafts
+        model.commit(tape, seq.cache, seq.slots_device, [a + 1])  # the pending token and a drafts
         seq.length += a + 1  # KV past here is stale and is overwritten by the next verify
         out += [int(t) for t in best[: a + 1]]
         accept_lens.append(a + 1)
