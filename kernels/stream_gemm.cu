@@ -213,41 +213,6 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     }
 
     // ---------------------------------------------------------------------------------------- compute warps
-    // W8: the scales of the lane's rows, fetched two stages ahead of their use: a stage streams in less time than a
-    // dependent L2 / HBM round trip, so scales loaded in their own stage stalled every stage (the step ran at 1.8x
-    // its byte floor). srow: offsets rows[f] * cols of the rows f = row0 + 16 t + lane / 4 + 8 h of the block being
-    // fetched (-1 past N or past the CTA's blocks), srow_next: those of the block after; sc0 / sc1: the scales of
-    // stages i and i + 1. The weight's scales do not depend on the predecessor: the first are read before the wait.
-    int srow[W8 ? T : 1][2], srow_next[W8 ? T : 1][2];
-    float sc0[W8 ? T : 1][2], sc1[W8 ? T : 1][2];
-    auto block_rows = [&](int blk, auto& out) {
-        const int row0 = (blockIdx.x + blk * gridDim.x) * 16 * T;
-#pragma unroll
-        for (int t = 0; t < (W8 ? T : 1); ++t)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int f = row0 + 16 * t + (lane >> 2) + 8 * h;
-                out[t][h] = blk < my_blocks && f < N ? wsc.rows[f] * wsc.cols : -1;
-            }
-    };
-    auto fetch_scales = [&](int j, auto& out) {  // called for j = 0, 1, 2, ... in order
-        if (j > 0 && j % ktiles == 0) {
-#pragma unroll
-            for (int t = 0; t < (W8 ? T : 1); ++t) srow[t][0] = srow_next[t][0], srow[t][1] = srow_next[t][1];
-            block_rows(j / ktiles + 1, srow_next);
-        }
-        const int kb = ((j % ktiles) * KT + warp * (KT / SG_COMPUTE_WARPS)) / SG_W8_BLOCK;
-#pragma unroll
-        for (int t = 0; t < (W8 ? T : 1); ++t)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) out[t][h] = j < total && srow[t][h] >= 0 ? wsc.scale[srow[t][h] + kb] : 0.f;
-    };
-    if constexpr (W8) {
-        block_rows(0, srow);
-        block_rows(1, srow_next);
-        fetch_scales(0, sc0);
-        fetch_scales(1, sc1);
-    }
     pdl_wait();  // y may be memory the predecessor still reads
     __shared__ float row_scale[SG_MAX_ROWS];
     if constexpr ((EPI & SG_ROW_SCALE) != 0) {
@@ -292,11 +257,29 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     // with x in boxes the early loads are cheaper than exposed ones at the end); the running sums of r^2 of this
     // lane's rows m = 8 n + 2 c + e over all of the CTA's blocks.
     float res[EPI == SG_ADD_NORM ? T : 1][NT][4], nw[EPI == SG_ADD_NORM ? T : 1][2], ss[NT][2] = {};
+    // W8: the offsets scale + rows[f] * cols of this lane's weight rows f = row0 + 16 t + g + 8 h (-1 past N).
+    int srow[W8 ? T : 1][2];
 
     for (int i = 0; i < total; ++i) {
         const int s = i % stages;
-        float sc2[W8 ? T : 1][2];  // W8: the scales of stage i + 2, requested now
-        if constexpr (W8) fetch_scales(i + 2, sc2);
+        float sc0[W8 ? T : 1][2];  // W8: this stage's scale of each of the lane's rows (its warp's scale column)
+        if constexpr (W8) {
+            if (i % ktiles == 0) {
+                const int row0 = (blockIdx.x + (i / ktiles) * gridDim.x) * 16 * T;
+#pragma unroll
+                for (int t = 0; t < T; ++t)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int f = row0 + 16 * t + g + 8 * h;
+                        srow[t][h] = f < N ? wsc.rows[f] * wsc.cols : -1;
+                    }
+            }
+            const int kb = ((i % ktiles) * KT + warp * (KT / SG_COMPUTE_WARPS)) / SG_W8_BLOCK;
+#pragma unroll
+            for (int t = 0; t < T; ++t)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) sc0[t][h] = srow[t][h] >= 0 ? wsc.scale[srow[t][h] + kb] : 0.f;
+        }
         if constexpr (EPI == SG_ADD_NORM && !XRES) if (warp == 0 && i % ktiles == 0) {
             const int row0 = (blockIdx.x + (i / ktiles) * gridDim.x) * 16 * T;
 #pragma unroll
@@ -363,10 +346,6 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                 for (int n = 0; n < NT; ++n)
 #pragma unroll
                     for (int r = 0; r < 4; ++r) acc[t][n][r] += sc0[t][r >> 1] * part[t][n][r];
-#pragma unroll
-            for (int t = 0; t < T; ++t)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) sc0[t][h] = sc1[t][h], sc1[t][h] = sc2[t][h];
         } else {
 #pragma unroll
         for (int kk = 0; kk < KT / SG_COMPUTE_WARPS; kk += 16) {

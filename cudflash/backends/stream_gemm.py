@@ -78,20 +78,10 @@ class Plan:
         boxes [16][BOX_K] bf16 unless x is resident."""
         return 16 * t * KT * (1 if w8 else 2) + (0 if x_resident else KT // BOX_K * 16 * BOX_K * 2)
 
-    def ring_stages(self, x_bytes: int | None = None) -> int:
-        """The ring's depth for a launch: `stages`, except that an FP8 weight with x resident fills the budget with
-        weight stages (a stage of codes is small, and the copies in flight are what keeps the stream at bandwidth).
-        The depth only says how far ahead the copies run, never which MMAs run in which order: no bit depends on
-        it (the bf16 kernel keeps its measured plan)."""
-        if not self.w8 or x_bytes is None:
-            return self.stages
-        free = SMEM_BUDGET - self.fixed_bytes(self.t) - x_bytes
-        return max(self.stages, min(16, free // self.stage_bytes(self.t, True, True)))
-
     def smem(self, x_bytes: int | None = None) -> int:
         """Dynamic shared memory to request, with x's rows resident (`x_bytes`) or in boxes (None): at least
         SMEM_BUDGET, which keeps two CTAs off one SM."""
-        ring = self.ring_stages(x_bytes) * self.stage_bytes(self.t, x_bytes is not None, self.w8)
+        ring = self.stages * self.stage_bytes(self.t, x_bytes is not None, self.w8)
         return max(SMEM_BUDGET, self.fixed_bytes(self.t) + ring + (x_bytes or 0))
 
     @staticmethod
@@ -290,8 +280,7 @@ def _launch(x: cupy.ndarray, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_s
         wmap, scales = tensor_map(w.data.ptr, n, k, k, 16 * plan.t), WeightScales()
     xmap = tensor_map(x.data.ptr, m, k, ldx, 16) if x_bytes is None else _x_rows(x.data.ptr, 2 * ldx)
     stream = cupy.cuda.get_current_stream()
-    depth = plan.ring_stages(x_bytes)
-    args = (wmap, xmap, y, i32(m), i32(n), i32(k), i32(depth), i32(tuning.stream_gemm_prefill_stages), epi,
+    args = (wmap, xmap, y, i32(m), i32(n), i32(k), i32(plan.stages), i32(tuning.stream_gemm_prefill_stages), epi,
             scales)
     pdl.launch(kern.raw, (plan.grid,), (THREADS,), args, smem, stream, programmatic=kern.programmatic(stream))
 
