@@ -18,6 +18,7 @@ import numpy as np
 
 from cudflash.backends.tuning import CudaTuning
 from cudflash.engine.llm_engine import LLM
+from cudflash.errors import BackendError
 from cudflash.sampling_params import SamplingParams
 from cudflash.tiny import TinyHeads, TinyShape, draft_config, target_config
 
@@ -253,6 +254,42 @@ def format_table(results: list[BatchResult], copy_gb_s: float | None) -> str:
     return "\n".join(lines)
 
 
+def synthetic_fp8(target: Any, backend: Any, std: float = 0.02) -> None:
+    """Replace the synthetic target's linear weights (every layer's qkv, o_proj, gate_up, down) by FP8 weights of the
+    same shapes made on the device (fp8_weight.random_fp8), as quantize="fp8" would hold them; the embedding and the
+    LM head stay bf16, as in the Qwen -FP8 releases. Before the first step, so every captured graph reads them."""
+    if backend.name != "cuda":
+        raise BackendError("bench --weights fp8 needs the cuda backend (the weights are made on the device)")
+    from cudflash.backends.fp8_weight import random_fp8
+
+    for i, layer in enumerate(target.layers):
+        for j, name in enumerate(("qkv", "o_proj", "gate_up", "down")):
+            setattr(layer, name, random_fp8(getattr(layer, name).shape, std, seed=1000 + 4 * i + j))
+
+
+# Per phase, the bytes it must read at least: every weight of the models it runs once, less an untied embedding
+# table (a step gathers a few of its rows), and the KV cache of a 512-token prompt is a few MB beside them; its
+# floor is those bytes over the measured copy bandwidth.
+def phase_floors_ms(result: BatchResult, target_bytes: int, draft_bytes: int, lm_head_bytes: int,
+                    copy_gb_s: float) -> dict[str, float]:
+    per_ms = copy_gb_s * 1e6  # bytes per ms
+    floors = {"AR step": target_bytes / per_ms}
+    if result.verify_ms is not None:
+        floors["verify"] = target_bytes / per_ms
+        floors["propose"] = (draft_bytes + lm_head_bytes) / per_ms
+        floors["spec step"] = floors["verify"] + floors["propose"]
+    return floors
+
+
+def format_floors(results: list[BatchResult], floors: list[dict[str, float]]) -> str:
+    lines = []
+    for r, f in zip(results, floors):
+        got = {"AR step": r.ar_step_ms, "verify": r.verify_ms, "propose": r.propose_ms, "spec step": r.spec_step_ms}
+        lines.append(f"batch {r.batch} byte floors: " + ", ".join(
+            f"{k} {v:.2f} ms (x{got[k] / v:.2f})" for k, v in f.items()))
+    return "\n".join(lines)
+
+
 def draft_options(args) -> dict[str, Any] | None:
     opts = {"context_window": args.draft_context_window, "tree_budget": getattr(args, "tree_budget", None)}
     return {k: v for k, v in opts.items() if v is not None} or None
@@ -271,18 +308,31 @@ def run_bench(args, tuning: CudaTuning | None = None) -> str:
               enforce_eager=args.enforce_eager, tuning=tuning,
               draft_options=draft_options(args),
               quantize=getattr(args, "quantize", None), quantize_draft=getattr(args, "quantize_draft", False))
+    weights = getattr(args, "weights", "bf16")
+    if weights == "fp8":
+        synthetic_fp8(llm.runner.target, llm.backend)
     memory = weight_memory(llm)
     copy = copy_bandwidth_gb_s(llm.backend)
     results = [bench_batch(llm, n, args.prompt_len, args.steps, args.warmup, measured_tau=not synthetic)
                for n in batches]
+    target = llm.runner.target
+    gathered = 0 if target.lm_head is target.embed_tokens else int(target.embed_tokens.nbytes)
+    sizes = (weight_bytes(target) - gathered, weight_bytes(llm.runner.draft) if llm.runner.draft else 0,
+             int(target.lm_head.nbytes))
+    floors = [phase_floors_ms(r, *sizes, copy) for r in results] if copy else []
     changed = tuning.changed()  # an A/B run says what it changed
     if args.json is not None:
         Path(args.json).write_text(json.dumps({"backend": llm.backend.name, "model": args.synthetic or str(target),
                                                "drafter": args.drafter if synthetic else draft and str(draft),
                                                "copy_gb_per_s": copy, "tuning": changed, "weights": memory,
+                                               "weight_format": weights, "floors_ms": floors,
                                                "draft_options": draft_options(args),
                                                "results": [asdict(r) for r in results]}, indent=2))
     table = format_table(results, copy) + "\n" + format_weight_memory(memory)
+    if floors:
+        table += "\n" + format_floors(results, floors)
+    if weights != "bf16":
+        table += f"\ntarget linear weights: {weights} (synthetic, made on the device)"
     if getattr(args, "tree_budget", None):
         table += (f"\nspeculative steps verify a draft tree of {args.tree_budget} nodes per sequence "
                   f"({args.tree_budget + 1} rows with the root)")

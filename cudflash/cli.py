@@ -206,6 +206,9 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
                        help="speculative steps verify a draft tree of N nodes (engine/tree.py) instead of the block")
     bench.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (op by op on the GPU)")
     _add_quantize_arguments(bench)
+    bench.add_argument("--weights", choices=["bf16", "fp8"], default="bf16",
+                       help="with --synthetic: the format of the target's linear weights (fp8: E4M3 codes with "
+                            "128x128 block scales, made on the device; the LM head and embeddings stay bf16)")
     bench.add_argument("--json", type=Path, metavar="FILE", help="write the numbers as JSON too")
     bench.add_argument("--tune", action="append", default=[], metavar="NAME=VALUE",
                        help="set a field of the CUDA backend's tuning (cudflash/backends/tuning.py), e.g. "
@@ -217,6 +220,11 @@ def run_bench_command(args: argparse.Namespace) -> None:
         raise RequestError("bench --drafter picks the family of a --synthetic drafter; --draft brings its own")
     if args.synthetic is not None and args.draft is not None:
         raise RequestError("bench --synthetic makes its own drafter; --draft goes with --target")
+    if args.weights != "bf16" and args.synthetic is None:
+        raise RequestError("bench --weights picks the format of --synthetic weights; a checkpoint brings its own "
+                           "(or --quantize fp8)")
+    if args.weights != "bf16" and args.backend == "cpu":
+        raise RequestError(f"bench --weights {args.weights} needs the cuda backend (the weights are made on the device)")
     if args.json is not None and not args.json.parent.is_dir():
         raise RequestError(f"--json {args.json}: no such directory {args.json.parent}")
     from cudflash.backends.tuning import parse_tuning

@@ -43,6 +43,22 @@
 //                directly (swiglu_value, as the swiglu kernel computes it: the same bits; the four compute warps
 //                share a block's divisions). No float32 gate_up round trip and no SwiGLU kernel between the two
 //                MLP GEMMs. N % 16 == 0.
+//
+// FP8 weights (W8, W8A16): w [N, K] is uint8 E4M3 codes with float32 block scales, w[n, k] = e4m3(w[n, k]) *
+// scale[rows[n]][k / 128] (WeightScales; rows maps each weight row to its scale row: n / 128 for the 128x128 blocks
+// of the Qwen -FP8 layout, anything for fused or interleaved weights). The weight's tensor map is uint8 with boxes
+// of [16 T rows][128 columns] (rows of 128 bytes again, the same swizzle), so a stage holds KT / 128 weight boxes:
+// half of bf16's bytes. x stays bf16 (resident rows XROW = 2 K + 32 bytes apart, see below). Each compute warp's 64
+// columns lie inside one 128-column scale block, so per stage a warp sums its 64 columns in float32 (four MMA
+// steps, from zero) and adds that partial times the row's scale to its accumulators: the codes enter the MMA as
+// exact bf16 values, the scale is applied once per 64 columns in float32 (no bf16 rounding of code * scale), and
+// the summation order still depends on (K, KT) alone. The epilogues are the same.
+// Codes to bf16: ldmatrix of a [16 rows][32 bytes] region gives each lane 4 consecutive codes of a row (bytes 4c ..
+// 4c + 3, c = lane % 4) per register; e4m3x4_to_bf16 turns them into bf16 pairs (4c, 4c + 2) and (4c + 1, 4c + 3),
+// exactly. So the MMA's k index is a permutation of the 16 columns of a step (logical 2c, 2c + 1 <- columns 4c, 4c + 2;
+// 8 + 2c, 9 + 2c <- 4c + 1, 4c + 3), and each lane reads x's 4 columns 4c .. 4c + 3 (8 bytes) and permutes them the
+// same way: a dot product is a sum over k in any order of the same products. NaN codes (0x7F, 0xFF) are not decoded
+// as NaN (the loader refuses non-finite weights before they get here).
 #include "mma.cuh"
 
 #define SG_PLAIN 0
@@ -53,6 +69,7 @@
 #define SG_MAX_PARTS 256  // producer CTAs an SG_ROW_SCALE consumer can fold (stream_gemm.py checks)
 
 #define SG_COMPUTE_WARPS 4
+#define SG_W8_BLOCK 128  // columns per FP8 scale
 #define SG_THREADS (32 * (SG_COMPUTE_WARPS + 1))
 
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
@@ -91,31 +108,53 @@ __device__ __forceinline__ void tma_load(unsigned dst, const TensorMap& map, int
                  ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(bar), "l"(policy)
                  : "memory");
 }
+// The FP8 weight's scales (W8; unused, null, for bf16 weights).
+struct WeightScales {
+    const float* scale;  // [S][cols] float32
+    const int* rows;     // [N] int32: scale row of each weight row
+    int cols;            // scale columns: ceil(K / SG_W8_BLOCK)
+};
+// Four E4M3 codes (bytes b0..b3 of r) -> bf16 pairs lo = (b0, b2), hi = (b1, b3), exactly: with a code in the high
+// byte of a 16-bit half, (h & 0x8000) | ((h & 0x7F00) >> 4) is the bf16 whose exponent field is the code's and whose
+// mantissa is the code's 3 bits (a bf16 subnormal for a code subnormal), i.e. the code's value times 2^-120, and one
+// exact bf16 multiply by 2^120 (fma with -0, subnormal inputs kept) restores it.
+__device__ __forceinline__ void e4m3x4_to_bf16(unsigned r, unsigned& lo, unsigned& hi) {
+    const unsigned h = (r & 0x80008000u) | ((r & 0x7F007F00u) >> 4), l = ((r << 8) & 0x80008000u) | ((r & 0x007F007Fu) << 4);
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(hi) : "r"(h), "r"(0x7B807B80u), "r"(0x80008000u));
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(lo) : "r"(l), "r"(0x7B807B80u), "r"(0x80008000u));
+}
+__device__ __forceinline__ void lds64(unsigned addr, unsigned& a, unsigned& b) {
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(a), "=r"(b) : "r"(addr));
+}
 __device__ __forceinline__ void store_y(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store_y(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
 
-// Dynamic shared memory (from the first 1024-byte boundary): stages of [KT / 64 weight boxes of 16 T x 64]
-// [KT / 64 x boxes of 16 x 64] bf16 (XRES: the weight boxes alone), each box rows of 128 bytes in the 128-byte
-// swizzle (16-byte chunk j of row r sits at chunk j ^ (r % 8): ldmatrix's eight rows hit eight different banks);
-// XRES: then x's M rows of K bf16, XROW = 2 K + 16 bytes apart; then the partials red[3][T][NT][4][32] float32;
+// Dynamic shared memory (from the first 1024-byte boundary): stages of [KT / 64 weight boxes of 16 T x 64 bf16]
+// (W8: KT / 128 boxes of 16 T x 128 uint8) [KT / 64 x boxes of 16 x 64] bf16 (XRES: the weight boxes alone), each
+// box rows of 128 bytes in the 128-byte swizzle (16-byte chunk j of row r sits at chunk j ^ (r % 8): ldmatrix's
+// eight rows hit eight different banks); XRES: then x's M rows of K bf16, XROW = 2 K + 16 bytes apart (W8: + 32, so
+// the eight-byte reads of eight rows g at 8 c hit distinct banks); then the partials red[3][T][NT][4][32] float32;
 // then full[stages], empty[stages] and (XRES) the x barrier. stream_gemm.py computes the same size.
 // XRES: xmap is no tensor map but {x's address, its row stride in bytes} in its first two words.
-template <int T, int NT, int KT, typename Y, int EPI, bool XRES>
+template <int T, int NT, int KT, typename Y, int EPI, bool XRES, bool W8>
 __global__ void __launch_bounds__(SG_THREADS)
 stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap, Y* __restrict__ y,
-            int M, int N, int K, int stages, int prefill, const __grid_constant__ Epilogue epi) {
+            int M, int N, int K, int stages, int prefill, const __grid_constant__ Epilogue epi,
+            const __grid_constant__ WeightScales wsc) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     pdl_launch_dependents();
     static_assert(!XRES || NT == 1, "resident x rows are addressed for one token tile");
-    constexpr int BOXES = KT / 64;
+    static_assert(!W8 || KT / SG_COMPUTE_WARPS == 64, "a warp's columns of a stage must lie in one scale block");
+    constexpr int BOXES = KT / 64;                     // x boxes per stage (and bf16 weight boxes)
+    constexpr int WBOXES = W8 ? KT / 128 : BOXES;      // weight boxes per stage
     constexpr int WBOX = 16 * T * 128, XBOX = 16 * 128;  // bytes
-    constexpr int STAGE = BOXES * (WBOX + (XRES ? 0 : XBOX));
+    constexpr int STAGE = WBOXES * WBOX + (XRES ? 0 : BOXES * XBOX);
     constexpr int NACC = T * NT * 4;  // accumulators per lane
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const unsigned raw = smem_addr(smem_raw);
     const unsigned ring = (raw + 1023) & ~1023u;
     unsigned char* smem = smem_raw + (ring - raw);
-    const unsigned xs = ring + stages * STAGE, xrow = 2 * K + 16;  // XRES: x's rows
+    const unsigned xs = ring + stages * STAGE, xrow = 2 * K + (W8 ? 32 : 16);  // XRES: x's rows
     float* red = reinterpret_cast<float*>(smem + (size_t)stages * STAGE + (XRES ? M * xrow : 0));  // [3][NACC][32]
     const unsigned full0 = smem_addr(red + 3 * NACC * 32), empty0 = full0 + 8 * stages, xbar = empty0 + 8 * stages;
 
@@ -144,14 +183,14 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
             const int s = i % stages, row0 = (blockIdx.x + (i / ktiles) * gridDim.x) * 16 * T, k0 = (i % ktiles) * KT;
             mbar_expect_tx(full0 + 8 * s, STAGE);
 #pragma unroll
-            for (int b = 0; b < BOXES; ++b)
-                tma_load(ring + s * STAGE + b * WBOX, wmap, k0 + 64 * b, row0, full0 + 8 * s, evict_first);
+            for (int b = 0; b < WBOXES; ++b)
+                tma_load(ring + s * STAGE + b * WBOX, wmap, k0 + (W8 ? 128 : 64) * b, row0, full0 + 8 * s, evict_first);
         };
         auto copy_x = [&](int i) {
             const int s = i % stages, k0 = (i % ktiles) * KT;
 #pragma unroll
             for (int b = 0; b < BOXES; ++b)
-                tma_load(ring + s * STAGE + BOXES * WBOX + b * XBOX, xmap, k0 + 64 * b, 0, full0 + 8 * s, evict_last);
+                tma_load(ring + s * STAGE + WBOXES * WBOX + b * XBOX, xmap, k0 + 64 * b, 0, full0 + 8 * s, evict_last);
         };
         const int ahead = min(min(stages, prefill), total);
         for (int i = 0; i < ahead; ++i) copy_w(i);  // before the wait: overlaps the kernels in front
@@ -210,15 +249,37 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     const int g = lane >> 2, c = lane & 3;
     // XRES: B lane -> x row (lane & 7) (NT == 1), row 0 again for rows past M (their outputs are never written).
     const unsigned b_res = xs + ((lane & 7) < M ? (lane & 7) : 0) * xrow + b_half * 16;
+    // W8, XRES: lane -> x row g (row 0 again past M), its eight-byte reads at columns 4c.
+    const unsigned b_res8 = xs + (g < M ? g : 0) * xrow;
     if constexpr (XRES) mbar_wait(xbar, 0);
     // SG_ADD_NORM, warp 0: the block's residual and norm weight, requested when the block starts and used at its
     // end (XRES: read where they are used, since with x resident the MMA steps would wait for the early loads;
     // with x in boxes the early loads are cheaper than exposed ones at the end); the running sums of r^2 of this
     // lane's rows m = 8 n + 2 c + e over all of the CTA's blocks.
     float res[EPI == SG_ADD_NORM ? T : 1][NT][4], nw[EPI == SG_ADD_NORM ? T : 1][2], ss[NT][2] = {};
+    // W8: the offsets scale + rows[f] * cols of this lane's weight rows f = row0 + 16 t + g + 8 h (-1 past N).
+    int srow[W8 ? T : 1][2];
 
     for (int i = 0; i < total; ++i) {
         const int s = i % stages;
+        float sc0[W8 ? T : 1][2];  // W8: this stage's scale of each of the lane's rows (its warp's scale column)
+        if constexpr (W8) {
+            if (i % ktiles == 0) {
+                const int row0 = (blockIdx.x + (i / ktiles) * gridDim.x) * 16 * T;
+#pragma unroll
+                for (int t = 0; t < T; ++t)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int f = row0 + 16 * t + g + 8 * h;
+                        srow[t][h] = f < N ? wsc.rows[f] * wsc.cols : -1;
+                    }
+            }
+            const int kb = ((i % ktiles) * KT + warp * (KT / SG_COMPUTE_WARPS)) / SG_W8_BLOCK;
+#pragma unroll
+            for (int t = 0; t < T; ++t)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) sc0[t][h] = srow[t][h] >= 0 ? wsc.scale[srow[t][h] + kb] : 0.f;
+        }
         if constexpr (EPI == SG_ADD_NORM && !XRES) if (warp == 0 && i % ktiles == 0) {
             const int row0 = (blockIdx.x + (i / ktiles) * gridDim.x) * 16 * T;
 #pragma unroll
@@ -238,6 +299,54 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
         }
         mbar_wait(full0 + 8 * s, (i / stages) & 1);
         const unsigned base = ring + s * STAGE;
+        if constexpr (W8) {
+            // This warp's 64 columns: bytes [64 (warp % 2), + 64) of weight box warp / 2 and x box warp (or x's
+            // resident columns), in two rounds of 32 columns = two MMA steps.
+            float part[T][NT][4];
+#pragma unroll
+            for (int t = 0; t < T; ++t)
+#pragma unroll
+                for (int n = 0; n < NT; ++n) part[t][n][0] = part[t][n][1] = part[t][n][2] = part[t][n][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < 64; kk += 32) {
+                unsigned b[2][NT][2];  // [MMA step][token tile][register]
+#pragma unroll
+                for (int step = 0; step < 2; ++step)
+#pragma unroll
+                    for (int n = 0; n < NT; ++n) {
+                        const int e = kk + 16 * step + 4 * c;  // column of the warp's 64: x[token][e .. e + 3]
+                        const unsigned xa = XRES
+                            ? b_res8 + 2 * ((i % ktiles) * KT + warp * 64 + e)
+                            : base + WBOXES * WBOX + warp * XBOX + (8 * n + g) * 128 + (((e / 8) ^ g) << 4) + 2 * (e % 8);
+                        unsigned x0, x1;
+                        lds64(xa, x0, x1);
+                        b[step][n][0] = __byte_perm(x0, x1, 0x5410);  // x[e], x[e + 2]
+                        b[step][n][1] = __byte_perm(x0, x1, 0x7632);  // x[e + 1], x[e + 3]
+                    }
+                const unsigned wa = base + (warp >> 1) * WBOX + a_row +
+                                    (((((warp & 1) * 64 + kk) / 16 + a_half) ^ key) << 4);
+#pragma unroll
+                for (int t = 0; t < T; ++t) {
+                    unsigned r0, r1, r2, r3, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3;
+                    ldmatrix_x4(wa + t * 16 * 128, r0, r1, r2, r3);  // rows g, g + 8 of columns 4c.., 16 + 4c..
+                    e4m3x4_to_bf16(r0, lo0, hi0);
+                    e4m3x4_to_bf16(r1, lo1, hi1);
+                    e4m3x4_to_bf16(r2, lo2, hi2);
+                    e4m3x4_to_bf16(r3, lo3, hi3);
+#pragma unroll
+                    for (int n = 0; n < NT; ++n) {
+                        mma_bf16(part[t][n], lo0, lo1, hi0, hi1, b[0][n][0], b[0][n][1]);
+                        mma_bf16(part[t][n], lo2, lo3, hi2, hi3, b[1][n][0], b[1][n][1]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int t = 0; t < T; ++t)
+#pragma unroll
+                for (int n = 0; n < NT; ++n)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) acc[t][n][r] += sc0[t][r >> 1] * part[t][n][r];
+        } else {
 #pragma unroll
         for (int kk = 0; kk < KT / SG_COMPUTE_WARPS; kk += 16) {
             const int k0 = warp * (KT / SG_COMPUTE_WARPS) + kk;  // stage column of this MMA step
@@ -255,6 +364,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
 #pragma unroll
                 for (int n = 0; n < NT; ++n) mma_bf16(acc[t][n], a0, a1, a2, a3, b[n][0], b[n][1]);
             }
+        }
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(empty0 + 8 * s);

@@ -107,3 +107,35 @@ def test_table_prints_the_nvml_readings_it_writes():
     assert "batch 8:" not in table  # no readings, no line
     assert "measured device copy bandwidth: 4250 GB/s" in table
 
+
+
+def test_bench_weights_fp8_needs_synthetic_weights_and_the_gpu(tiny_pair):
+    """--weights picks the format of synthetic weights only; on the CPU backend the FP8 weights are refused (they
+    are made on the device), before a step runs."""
+    r = subprocess.run([sys.executable, "-m", "cudflash", "bench", "--target", str(tiny_pair / "target"), "--weights",
+                        "fp8", "--backend", "cpu"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--weights" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "cudflash", "bench", "--synthetic", "tiny", "--weights", "fp8",
+                        "--backend", "cpu", "--prompt-len", "8", "--new", "1"], capture_output=True, text=True)
+    assert r.returncode != 0 and "needs the cuda backend" in r.stderr
+
+
+def test_phase_floors_are_bytes_over_the_copy_bandwidth():
+    from cudflash.bench import format_floors, phase_floors_ms
+
+    r = BatchResult(batch=1, prompt_len=512, block=16, prefill_ms=20.0, ar_step_ms=4.0, propose_ms=1.0, verify_ms=4.4,
+                    accept_ms=0.1, spec_step_ms=5.5, tau=6.5, tau_measured=False, ar_tokens_per_s=250.0,
+                    spec_tokens_per_s=1182.0, verify_gb_per_s=3600.0, propose_gb_per_s=3000.0, ar_gb_per_s=3800.0)
+    f = phase_floors_ms(r, target_bytes=8_000_000_000, draft_bytes=2_000_000_000, lm_head_bytes=1_000_000_000,
+                        copy_gb_s=4000.0)
+    assert f == {"AR step": 2.0, "verify": 2.0, "propose": 0.75, "spec step": 2.75}
+    line = format_floors([r], [f])
+    assert "AR step 2.00 ms (x2.00)" in line and "verify 2.00 ms (x2.20)" in line and "spec step 2.75 ms (x2.00)" in line
+    plain = dataclasses_replace(r)
+    assert set(phase_floors_ms(plain, 8_000_000_000, 0, 0, 4000.0)) == {"AR step"}
+
+
+def dataclasses_replace(r: BatchResult) -> BatchResult:
+    import dataclasses
+
+    return dataclasses.replace(r, propose_ms=None, verify_ms=None, accept_ms=None, spec_step_ms=None)

@@ -24,6 +24,12 @@ product (its `partial`: PartialNorm).
 A third removes the SwiGLU kernel between gate_up and down: with gate and up rows interleaved in groups of 8
 (CudaBackend.gate_up_weight), gate_up's epilogue holds both halves of a feature in one lane and writes
 silu(gate) * up as bf16 (`swiglu`).
+
+FP8 weights (fp8_weight.Fp8Weight: E4M3 codes [N, K] with float32 scales per 128 columns and a scale row per weight
+row) stream through the same kernel (its W8 instantiations, compiled as a module of their own so that the bf16
+build is unchanged): half the weight bytes per stage, the codes decoded to bf16 on chip (exactly), each 64-column
+partial sum scaled in float32. Every epilogue works the same; the plan is a function of (N, K, the weight's format)
+and the device, still never of M.
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ import cupy
 from cudflash.backends import kernel_loader, pdl
 from cudflash.backends.base import DeferredNorm
 from cudflash.backends.cuda_util import i32
+from cudflash.backends.fp8_weight import Fp8Weight
 from cudflash.backends.tuning import CudaTuning
 from cudflash.errors import BackendError
 
@@ -63,16 +70,18 @@ class Plan:
     grid: int
     stages: int
 
+    w8: bool = False  # FP8 weight (its boxes hold 128 columns of one byte)
+
     @staticmethod
-    def stage_bytes(t: int, x_resident: bool = False) -> int:
-        """One ring stage: KT / BOX_K weight boxes [16 t][BOX_K], and as many x boxes [16][BOX_K] unless x is
-        resident, bf16."""
-        return KT // BOX_K * (16 * t + (0 if x_resident else 16)) * BOX_K * 2
+    def stage_bytes(t: int, x_resident: bool = False, w8: bool = False) -> int:
+        """One ring stage: the weight's KT columns of 16 t rows (bf16, or one byte per code: w8), and KT / BOX_K x
+        boxes [16][BOX_K] bf16 unless x is resident."""
+        return 16 * t * KT * (1 if w8 else 2) + (0 if x_resident else KT // BOX_K * 16 * BOX_K * 2)
 
     def smem(self, x_bytes: int | None = None) -> int:
         """Dynamic shared memory to request, with x's rows resident (`x_bytes`) or in boxes (None): at least
         SMEM_BUDGET, which keeps two CTAs off one SM."""
-        ring = self.stages * self.stage_bytes(self.t, x_bytes is not None)
+        ring = self.stages * self.stage_bytes(self.t, x_bytes is not None, self.w8)
         return max(SMEM_BUDGET, self.fixed_bytes(self.t) + ring + (x_bytes or 0))
 
     @staticmethod
@@ -82,17 +91,18 @@ class Plan:
         return 1024 + (COMPUTE_WARPS - 1) * t * 2 * 4 * 32 * 4 + 16 * 16 + 16
 
 
-def resident_x_bytes(m: int, k: int) -> int | None:
-    """Shared memory for x [m, k]'s rows, each padded by 16 bytes (the kernel's XRES layout), if they are to be
-    resident: one token tile (m <= 8) within X_RESIDENT_BYTES; else None (x comes in boxes with each stage)."""
-    size = m * (2 * k + 16)
+def resident_x_bytes(m: int, k: int, w8: bool = False) -> int | None:
+    """Shared memory for x [m, k]'s rows, each padded by 16 bytes (w8: 32; the kernel's XRES layout), if they are to
+    be resident: one token tile (m <= 8) within X_RESIDENT_BYTES; else None (x comes in boxes with each stage)."""
+    size = m * (2 * k + (32 if w8 else 16))
     return size if m <= 8 and size <= X_RESIDENT_BYTES else None
 
 
 @functools.cache
-def plan_for(n: int, k: int, num_sms: int) -> Plan:
+def plan_for(n: int, k: int, num_sms: int, w8: bool = False) -> Plan:
     """Row blocks sized so the CTAs' work is even: of t = 4..1, the one whose rounds of num_sms blocks waste the
-    fewest SM slots (ties go to larger blocks, which share each x tile across more weight rows)."""
+    fewest SM slots (ties go to larger blocks, which share each x tile across more weight rows). w8: an FP8
+    weight, whose smaller stages make the ring deeper."""
     tiles = math.ceil(n / 16)
 
     def waste(t: int) -> float:
@@ -102,8 +112,8 @@ def plan_for(n: int, k: int, num_sms: int) -> Plan:
     t = min((4, 3, 2, 1), key=waste)
     blocks = math.ceil(tiles / t)
     rounds = math.ceil(blocks / num_sms)
-    stages = min(16, (SMEM_BUDGET - Plan.fixed_bytes(t)) // Plan.stage_bytes(t))
-    return Plan(t=t, grid=math.ceil(blocks / rounds), stages=max(2, stages))
+    stages = min(16, (SMEM_BUDGET - Plan.fixed_bytes(t)) // Plan.stage_bytes(t, w8=w8))
+    return Plan(t=t, grid=math.ceil(blocks / rounds), stages=max(2, stages), w8=w8)
 
 
 _SMEM_PER_SM, _SMEM_PER_BLOCK_OPTIN = 81, 97  # cudaDeviceAttr values
@@ -134,6 +144,18 @@ def fusable(m: int, n: int, k: int, nbytes: int, num_sms: int, tuning: CudaTunin
     return usable(m, n, k, nbytes, tuning) and plan_for(n, k, num_sms).grid <= MAX_PARTS
 
 
+def usable_fp8(m: int, n: int, k: int) -> bool:
+    """Whether CudaBackend.linear streams an FP8 weight [n, k] for x [m, k]: any size (the alternative is a
+    dequantization to bf16 and cuBLAS, two launches and more bytes, so no minimum as for bf16), K % KT == 0, and
+    again never a function of m within 1..MAX_ROWS."""
+    return 1 <= m <= MAX_ROWS and k % KT == 0 and available()
+
+
+def fusable_fp8(m: int, n: int, k: int, num_sms: int) -> bool:
+    """usable_fp8, as an SG_ADD_NORM producer (few enough CTAs to fold)."""
+    return usable_fp8(m, n, k) and plan_for(n, k, num_sms, True).grid <= MAX_PARTS
+
+
 class TensorMap(ctypes.Structure):  # CUtensorMap: 128 opaque bytes, passed to the kernel by value
     _fields_ = [("words", ctypes.c_uint64 * 16)]
 
@@ -141,6 +163,10 @@ class TensorMap(ctypes.Structure):  # CUtensorMap: 128 opaque bytes, passed to t
 class Epilogue(ctypes.Structure):  # struct Epilogue in stream_gemm.cu, passed by value
     _fields_ = [("residual", ctypes.c_void_p), ("norm_w", ctypes.c_void_p), ("normed", ctypes.c_void_p),
                 ("ssq", ctypes.c_void_p), ("parts", ctypes.c_int), ("width", ctypes.c_int), ("eps", ctypes.c_float)]
+
+
+class WeightScales(ctypes.Structure):  # struct WeightScales in stream_gemm.cu, passed by value (null for bf16)
+    _fields_ = [("scale", ctypes.c_void_p), ("rows", ctypes.c_void_p), ("cols", ctypes.c_int)]
 
 
 @dataclass(frozen=True, eq=False)
@@ -167,56 +193,64 @@ def _encoder():
     return fn
 
 
-_BF16, _SWIZZLE_128B, _L2_256B = 9, 3, 3  # CUtensorMapDataType, CUtensorMapSwizzle, CUtensorMapL2promotion
+_UINT8, _BF16, _SWIZZLE_128B, _L2_256B = 0, 9, 3, 3  # CUtensorMapDataType, CUtensorMapSwizzle, CUtensorMapL2promotion
 
 
 @functools.lru_cache(maxsize=4096)
-def tensor_map(ptr: int, rows: int, cols: int, row_stride: int, box_rows: int) -> TensorMap:
-    """A bf16 [rows, cols] matrix (row stride in elements) read in boxes of [box_rows, BOX_K], 128-byte swizzled;
-    boxes past the last row are filled with zeros. Keyed by address and shape, so a weight's map is built once."""
+def tensor_map(ptr: int, rows: int, cols: int, row_stride: int, box_rows: int, itemsize: int = 2) -> TensorMap:
+    """A bf16 (itemsize 2) or uint8 (itemsize 1: FP8 codes) [rows, cols] matrix (row stride in elements) read in
+    boxes of [box_rows, 128 bytes of columns], 128-byte swizzled; boxes past the last row are filled with zeros. Keyed
+    by address and shape, so a weight's map is built once."""
     out = TensorMap()
     dims = (ctypes.c_uint64 * 2)(cols, rows)
-    strides = (ctypes.c_uint64 * 1)(row_stride * 2)
-    box = (ctypes.c_uint32 * 2)(BOX_K, box_rows)
+    strides = (ctypes.c_uint64 * 1)(row_stride * itemsize)
+    box = (ctypes.c_uint32 * 2)(BOX_K * 2 // itemsize, box_rows)
     unit = (ctypes.c_uint32 * 2)(1, 1)
-    status = _encoder()(ctypes.byref(out), _BF16, 2, ptr, dims, strides, box, unit, 0, _SWIZZLE_128B, _L2_256B, 0)
+    dtype = _BF16 if itemsize == 2 else _UINT8
+    status = _encoder()(ctypes.byref(out), dtype, 2, ptr, dims, strides, box, unit, 0, _SWIZZLE_128B, _L2_256B, 0)
     if status != 0:
         raise BackendError(f"cuTensorMapEncodeTiled failed ({status}) for [{rows}, {cols}] stride {row_stride}")
     return out
 
 
-def _name(t: int, nt: int, y: str, epilogue: int, x_resident: bool) -> str:
-    return f"stream_gemm<{t}, {nt}, {KT}, {y}, {epilogue}, {'true' if x_resident else 'false'}>"
+def _name(t: int, nt: int, y: str, epilogue: int, x_resident: bool, w8: bool) -> str:
+    return (f"stream_gemm<{t}, {nt}, {KT}, {y}, {epilogue}, {'true' if x_resident else 'false'}, "
+            f"{'true' if w8 else 'false'}>")
 
 
-_NAMES = tuple(_name(t, nt, y, e, res) for t in (1, 2, 3, 4) for nt, res in ((1, False), (2, False), (1, True))
-               for y, e in (("float", PLAIN), ("bf16", PLAIN), ("float", ADD_NORM), ("float", ROW_SCALE),
-                            ("bf16", ROW_SCALE), ("bf16", SWIGLU), ("bf16", ROW_SCALE | SWIGLU)))
+def _names(w8: bool) -> tuple[str, ...]:
+    return tuple(_name(t, nt, y, e, res, w8) for t in (1, 2, 3, 4) for nt, res in ((1, False), (2, False), (1, True))
+                 for y, e in (("float", PLAIN), ("bf16", PLAIN), ("float", ADD_NORM), ("float", ROW_SCALE),
+                              ("bf16", ROW_SCALE), ("bf16", SWIGLU), ("bf16", ROW_SCALE | SWIGLU)))
 
 
-def stream_gemm(x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
+_NAMES = _names(False)  # the bf16 module
+_NAMES_W8 = _names(True)  # the FP8 module: the same source, compiled apart
+
+
+def stream_gemm(x: cupy.ndarray, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
                 swiglu: bool = False) -> None:
-    """y[M, N] = x[M, K] @ w[N, K].T; x bf16 with 16-byte aligned rows, w bf16 contiguous, y bf16 or float32
-    contiguous (the caller, CudaBackend.linear, checks `usable` and the layouts). swiglu: w is an interleaved
-    gate_up weight (N % 16 == 0) and y [M, N / 2] bf16 gets silu(gate) * up."""
+    """y[M, N] = x[M, K] @ w[N, K].T; x bf16 with 16-byte aligned rows, w bf16 contiguous or an Fp8Weight, y bf16 or
+    float32 contiguous (the caller, CudaBackend.linear, checks `usable` / `usable_fp8` and the layouts). swiglu: w is
+    an interleaved gate_up weight (N % 16 == 0) and y [M, N / 2] bf16 gets silu(gate) * up."""
     _launch(x, w, y, num_sms, tuning, SWIGLU if swiglu else PLAIN, Epilogue())
 
 
-def add_norm(x: cupy.ndarray, w: cupy.ndarray, residual: cupy.ndarray, norm_w: cupy.ndarray, eps: float,
-             num_sms: int, tuning: CudaTuning) -> tuple[DeferredNorm, cupy.ndarray]:
+def add_norm(x: cupy.ndarray, w: cupy.ndarray | Fp8Weight, residual: cupy.ndarray, norm_w: cupy.ndarray,
+             eps: float, num_sms: int, tuning: CudaTuning) -> tuple[DeferredNorm, cupy.ndarray]:
     """(rms_norm(r) * norm_w deferred, r) with r = residual + x @ w.T, float32 [M, N]; residual contiguous float32
     [M, N], norm_w bf16 [N]."""
     m, n = x.shape[0], w.shape[0]
-    parts = plan_for(n, w.shape[1], num_sms).grid  # at most MAX_PARTS: the caller checks `fusable`
+    parts = plan_for(n, w.shape[1], num_sms, isinstance(w, Fp8Weight)).grid  # <= MAX_PARTS: the caller checks
     r = cupy.empty((m, n), dtype=cupy.float32)
-    normed = cupy.empty((m, n), dtype=w.dtype)
+    normed = cupy.empty((m, n), dtype=x.dtype)
     ssq = cupy.empty((parts, MAX_ROWS), dtype=cupy.float32)
     _launch(x, w, r, num_sms, tuning, ADD_NORM,
             Epilogue(residual.data.ptr, norm_w.data.ptr, normed.data.ptr, ssq.data.ptr))
     return DeferredNorm(r, norm_w, eps, partial=PartialNorm(normed, ssq)), r
 
 
-def row_scaled(x: DeferredNorm, w: cupy.ndarray, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
+def row_scaled(x: DeferredNorm, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
                swiglu: bool = False) -> None:
     """y = rms_norm(x.residual) * x.weight @ w.T, from the partial form add_norm left: normed @ w.T, rows scaled
     (swiglu: as in stream_gemm)."""
@@ -225,23 +259,29 @@ def row_scaled(x: DeferredNorm, w: cupy.ndarray, y: cupy.ndarray, num_sms: int, 
             Epilogue(ssq=part.ssq.data.ptr, parts=part.ssq.shape[0], width=part.normed.shape[1], eps=x.eps))
 
 
-def _launch(x: cupy.ndarray, w: cupy.ndarray, y: cupy.ndarray, num_sms: int, tuning: CudaTuning, epilogue: int,
-            epi: Epilogue) -> None:
+def _launch(x: cupy.ndarray, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
+            epilogue: int, epi: Epilogue) -> None:
     m, k = x.shape
     n = w.shape[0]
+    w8 = isinstance(w, Fp8Weight)
     if epilogue & SWIGLU and (n % 16 or y.shape != (m, n // 2) or y.dtype.name == "float32"):
         raise BackendError(f"stream_gemm swiglu: weight rows {n} (need a multiple of 16), y {y.shape} {y.dtype}")
-    plan = plan_for(n, k, num_sms)
-    x_bytes = resident_x_bytes(m, k)
-    name = _name(plan.t, 1 if m <= 8 else 2, _Y[y.dtype.name], epilogue, x_bytes is not None)
-    kern = kernel_loader.function("stream_gemm", name, _NAMES, tuning=tuning)
+    plan = plan_for(n, k, num_sms, w8)
+    x_bytes = resident_x_bytes(m, k, w8)
+    name = _name(plan.t, 1 if m <= 8 else 2, _Y[y.dtype.name], epilogue, x_bytes is not None, w8)
+    kern = kernel_loader.function("stream_gemm", name, _NAMES_W8 if w8 else _NAMES, tuning=tuning)
     smem = plan.smem(x_bytes)
     kern.reserve_shared(smem)
     ldx = x.strides[0] // x.itemsize if m > 1 else k
-    wmap = tensor_map(w.data.ptr, n, k, k, 16 * plan.t)
+    if w8:
+        wmap = tensor_map(w.data.data.ptr, n, k, k, 16 * plan.t, itemsize=1)
+        scales = WeightScales(w.scale.data.ptr, w.rows.data.ptr, w.scale.shape[1])
+    else:
+        wmap, scales = tensor_map(w.data.ptr, n, k, k, 16 * plan.t), WeightScales()
     xmap = tensor_map(x.data.ptr, m, k, ldx, 16) if x_bytes is None else _x_rows(x.data.ptr, 2 * ldx)
     stream = cupy.cuda.get_current_stream()
-    args = (wmap, xmap, y, i32(m), i32(n), i32(k), i32(plan.stages), i32(tuning.stream_gemm_prefill_stages), epi)
+    args = (wmap, xmap, y, i32(m), i32(n), i32(k), i32(plan.stages), i32(tuning.stream_gemm_prefill_stages), epi,
+            scales)
     pdl.launch(kern.raw, (plan.grid,), (THREADS,), args, smem, stream, programmatic=kern.programmatic(stream))
 
 

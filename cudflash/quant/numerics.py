@@ -35,7 +35,7 @@ def decode_e4m3(codes: np.ndarray) -> np.ndarray:
     return E4M3_TABLE[np.asarray(codes, dtype=np.uint8)]
 
 
-def encode_e4m3(x: np.ndarray) -> np.ndarray:
+def encode_e4m3(x: np.ndarray, xp=np) -> np.ndarray:
     """float32 -> uint8 E4M3 codes: round to nearest, ties to even; finite values beyond the largest code saturate
     to +-448 (block-scaled quantization only ever rounds up to a hair over it); NaN and +-inf give NaN codes (a
     corrupt weight stays visibly corrupt, and the loader's finite check names it).
@@ -43,17 +43,18 @@ def encode_e4m3(x: np.ndarray) -> np.ndarray:
     A magnitude a in [2^E, 2^(E+1)) with E >= -6 has steps of 2^(E-3): its code is rint(a / 2^(E-3)) + 8 (E + 6),
     where a mantissa that rounds up to 16 steps carries into the exponent by itself; below 2^-6 (subnormals and
     zero) the steps are 2^-9 and the code is rint(a / 2^-9). Every operation here is exact in float32 but the
-    rint, which numpy does to nearest even.
+    rint, which numpy does to nearest even. `xp`: the array module (numpy, or CuPy for synthetic weights made on the
+    device, fp8_weight.random_fp8).
     """
-    x = np.asarray(x, dtype=np.float32)
-    a = np.abs(x)
-    _, e = np.frexp(a)  # a = m 2^e, m in [0.5, 1)
-    exp = np.where(a < np.float32(2.0**-6), -6, e.astype(np.int32) - 1)
+    x = xp.asarray(x, dtype=xp.float32)
+    a = xp.abs(x)
+    _, e = xp.frexp(a)  # a = m 2^e, m in [0.5, 1)
+    exp = xp.where(a < xp.float32(2.0**-6), -6, e.astype(xp.int32) - 1)
     with np.errstate(invalid="ignore"):  # NaN / inf lanes are overwritten below
-        steps = np.rint(np.ldexp(a, (3 - exp).astype(np.int32)))
-        code = np.where(np.isfinite(a), np.minimum(steps + 8 * (exp + 6), 0x7E), E4M3_NAN)
-    sign = np.signbit(x).astype(np.uint8) << 7
-    return code.astype(np.uint8) | sign
+        steps = xp.rint(xp.ldexp(a, (3 - exp).astype(xp.int32)))
+        code = xp.where(xp.isfinite(a), xp.minimum(steps + 8 * (exp + 6), 0x7E), E4M3_NAN)
+    sign = xp.signbit(x).astype(xp.uint8) << 7
+    return code.astype(xp.uint8) | sign
 
 
 def unpack_e2m1(packed: np.ndarray) -> np.ndarray:

@@ -36,8 +36,8 @@ def check_quantize(target: str | Path, draft: str | Path | None, quantize: objec
                           f"bf16 drafter (quantize_draft=True / --quantize-draft quantizes it at load)")
     if random_weights:
         if quantize is not None:
-            raise ConfigError("quantize with random weights (bench --synthetic) is not supported yet: the synthetic "
-                              "weights are made on the device in bf16")
+            raise ConfigError("quantize with random weights is not supported: bench --synthetic makes its FP8 "
+                              "weights on the device with --weights fp8")
         return None
     scheme = read_quant_scheme(target)
     if quantize is not None and scheme is not None and not (scheme.method == "fp8" and scheme.block == FP8_BLOCK):

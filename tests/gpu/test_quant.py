@@ -1,6 +1,6 @@
-"""Quantized weights on the GPU: load_quantized dequantizes on the device to exactly the numpy backend's float32
-values rounded once to bf16, for every format and a fused weight off the block grid; and the tiny pair quantized
-to FP8 at load decodes on the GPU as on the CPU (up to bf16 near-ties)."""
+"""Quantized weights on the GPU: load_quantized keeps FP8 as codes and scales (whose bf16 form is exactly the numpy
+backend's float32 values rounded once) and dequantizes NVFP4 the same way, for every format and a fused weight off
+the block grid; and the tiny pair quantized to FP8 at load: speculative greedy equals autoregressive greedy."""
 from __future__ import annotations
 
 import numpy as np
@@ -28,9 +28,17 @@ def _weights(rng) -> list[QuantizedWeight]:
 
 
 def test_load_quantized_is_numpy_rounded_to_bf16(cb, rng):
+    """NVFP4 is dequantized at load; FP8 stays FP8 on the device (Fp8Weight), and its bf16 form for the many-row
+    GEMMs has the same bits."""
+    from cudflash.backends.fp8_weight import Fp8Weight, dequantize_bf16
+
     for w in _weights(rng):
         want = float32_to_bf16_bits(dequantize(w))
-        assert np.array_equal(_bf16_bits(cb.load_quantized(w)), want), w.format
+        got = cb.load_quantized(w)
+        assert isinstance(got, Fp8Weight) == (w.format == "fp8")
+        if isinstance(got, Fp8Weight):
+            got = dequantize_bf16(got, cb.act, cb.tuning)
+        assert np.array_equal(_bf16_bits(got), want), w.format
 
 
 def test_tiny_pair_fp8_at_load_on_the_gpu(tiny_pair):

@@ -1,0 +1,105 @@
+"""An FP8 linear weight as the CUDA backend holds it: E4M3 codes with float32 scales per 128 columns, on the device.
+
+    w[n, k] = e4m3(data[n, k]) * scale[rows[n], k // 128]
+
+This is the layout of the Qwen -FP8 releases (128x128 blocks: rows[n] = n // 128) and of `quantize="fp8"`, and it
+holds the other FP8 layouts exactly too: per-channel scales are 1-row blocks (rows[n] = n), a per-tensor scale one
+block, and a fused or interleaved weight (qkv off the block grid, CudaBackend.gate_up_weight) maps each row to its
+own part's scale row. The streaming GEMM (stream_gemm.py, W8) reads these bytes as they are; the many-row path
+dequantizes them to bf16 for cuBLAS (`dequantize_bf16`). A checkpoint layout whose scale blocks are narrower than
+128 columns (or not a multiple of 128 wide) does not fit: `fits` says so and the backend keeps its bf16 path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cupy
+import numpy as np
+
+from cudflash.backends import kernel_loader
+from cudflash.backends.cuda_util import THREADS, cdiv, i32
+from cudflash.backends.tuning import CudaTuning
+from cudflash.errors import BackendError
+from cudflash.quant.numerics import encode_e4m3
+from cudflash.quant.weight import QuantizedWeight
+
+SCALE_COLS = 128  # weight columns per scale: SG_W8_BLOCK in stream_gemm.cu, the 128 in fp8_dequant.cu
+_DEQUANT_NAMES = ("fp8_dequant_bf16<1>", "fp8_dequant_bf16<4>")
+
+
+@dataclass(frozen=True, eq=False)
+class Fp8Weight:
+    data: cupy.ndarray  # [N, K] uint8 E4M3 codes, contiguous
+    scale: cupy.ndarray  # [S, ceil(K / 128)] float32, contiguous
+    rows: cupy.ndarray  # [N] int32: the scale row of each weight row
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.data.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes a GEMM over this weight reads: codes, scales and the row map."""
+        return int(self.data.nbytes + self.scale.nbytes + self.rows.nbytes)
+
+
+def fits(w: QuantizedWeight) -> bool:
+    """Whether an fp8 QuantizedWeight has a scale per 128-column block (or wider blocks that are multiples of 128,
+    or one block across all of K): then every 128 columns of a row share one scale."""
+    cols = w.block[1]
+    return w.format == "fp8" and (cols % SCALE_COLS == 0 or cols >= w.shape[1])
+
+
+def upload(w: QuantizedWeight) -> Fp8Weight:
+    """The weight on the device, its scales re-indexed per 128 columns (exact: only copies of the same float32
+    values). The caller checks `fits`."""
+    n, k = w.shape
+    if not fits(w):
+        raise BackendError(f"{w.source}: fp8 scale blocks {w.block} do not cover whole 128-column blocks")
+    scale = np.asarray(w.scale, dtype=np.float32)
+    col_of_block = np.minimum(np.arange(cdiv(k, SCALE_COLS)) * SCALE_COLS // w.block[1], scale.shape[1] - 1)
+    return Fp8Weight(cupy.asarray(np.ascontiguousarray(w.data, dtype=np.uint8)),
+                     cupy.asarray(np.ascontiguousarray(scale[:, col_of_block])),
+                     cupy.asarray(w.row_scales().astype(np.int32)))
+
+
+def interleave_gate_up(gate: Fp8Weight, up: Fp8Weight) -> Fp8Weight:
+    """The gate_up weight of CudaBackend.gate_up_weight (rows in groups of 8: gate 8 j .. 8 j + 7, then up's), each
+    row keeping its own scale row: up's scale rows follow gate's."""
+    inter, h = gate.shape
+    if up.shape != gate.shape or inter % 8 or up.scale.shape[1] != gate.scale.shape[1]:
+        raise BackendError(f"cuda gate_up: gate {gate.shape} and up {up.shape} must match, rows a multiple of 8")
+    data = cupy.empty((inter // 8, 2, 8, h), dtype=cupy.uint8)  # [groups, gate | up, 8 rows, H]
+    data[:, 0] = gate.data.reshape(inter // 8, 8, h)
+    data[:, 1] = up.data.reshape(inter // 8, 8, h)
+    rows = cupy.empty((inter // 8, 2, 8), dtype=cupy.int32)
+    rows[:, 0] = gate.rows.reshape(inter // 8, 8)
+    rows[:, 1] = up.rows.reshape(inter // 8, 8) + gate.scale.shape[0]
+    return Fp8Weight(data.reshape(2 * inter, h), cupy.concatenate([gate.scale, up.scale]), rows.reshape(-1))
+
+
+def dequantize_bf16(w: Fp8Weight, act: np.dtype, tuning: CudaTuning) -> cupy.ndarray:
+    """The weight as a new bf16 [N, K] array (fp8_dequant.cu): the numpy backend's float32 values rounded once."""
+    n, k = w.shape
+    out = cupy.empty((n, k), dtype=act)
+    vec = 4 if k % 4 == 0 else 1
+    if n * k:
+        kern = kernel_loader.function("fp8_dequant", f"fp8_dequant_bf16<{vec}>", _DEQUANT_NAMES, tuning=tuning)
+        blocks = min(cdiv(n * k // vec, THREADS), 65535 * 8)
+        kern((blocks,), (THREADS,), (w.data, w.scale, w.rows, i32(w.scale.shape[1]), out, i32(n), i32(k)))
+    return out
+
+
+def random_fp8(shape: tuple[int, int], std: float, seed: int) -> Fp8Weight:
+    """A synthetic weight made on the device with the shape's 128x128 block grid: values ~ N(0, std^2) as E4M3
+    codes of N(0, 1) * 448 / 5 (so 5 sigma is the largest code) with every block's scale 5 std / 448, the value
+    spread a block-scaled quantization of such a weight gives. For timing (bench --synthetic --weights fp8)."""
+    n, k = shape
+    gen = cupy.random.RandomState(seed)
+    data = cupy.empty((n, k), dtype=cupy.uint8)
+    step = max(1, (1 << 26) // max(k, 1))  # rows per chunk: at most 64M float32 values at a time
+    for lo in range(0, n, step):
+        x = gen.standard_normal((min(step, n - lo), k), dtype=cupy.float32) * cupy.float32(448.0 / 5.0)
+        data[lo:lo + x.shape[0]] = encode_e4m3(x, xp=cupy)
+    scale = cupy.full((cdiv(n, 128), cdiv(k, SCALE_COLS)), 5.0 * std / 448.0, dtype=cupy.float32)
+    return Fp8Weight(data, scale, cupy.arange(n, dtype=cupy.int32) // 128)
