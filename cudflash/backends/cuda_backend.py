@@ -126,12 +126,12 @@ class CudaBackend:
         raise BackendError(f"cuda backend: cannot load dtype {dtype} (expected BF16, F16 or F32)")
 
     def load_quantized(self, w: QuantizedWeight) -> cupy.ndarray | Fp8Weight:
-        """An FP8 weight whose scales cover whole 128-column blocks (every released FP8 layout: 128x128 blocks,
-        per channel, per tensor) stays FP8 on the device (fp8_weight.Fp8Weight): the linear ops stream its codes
-        (stream_gemm.py, W8) or, for many rows, dequantize it to bf16 for cuBLAS. Any other quantized weight (NVFP4
-        for now, FP8 with narrower blocks) is dequantized at load, on the device, to the numpy backend's float32
-        values rounded once to bf16, and the step reads bf16."""
-        if fp8_weight.fits(w):
+        """With tuning.fp8_on_device, an FP8 weight whose scales cover whole 128-column blocks (every released FP8
+        layout: 128x128 blocks, per channel, per tensor) stays FP8 on the device (fp8_weight.Fp8Weight): the linear
+        ops stream its codes (stream_gemm.py, W8) or, for many rows, dequantize it to bf16 for cuBLAS. Any other
+        quantized weight (the default for FP8; NVFP4, FP8 with narrower blocks) is dequantized at load, on the
+        device, to the numpy backend's float32 values rounded once to bf16, and the step reads bf16."""
+        if self.tuning.fp8_on_device and fp8_weight.fits(w):
             return fp8_weight.upload(w)
         return self._to_act(dequantize(w, cupy))
 

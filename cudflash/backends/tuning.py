@@ -36,6 +36,10 @@ class CudaTuning:
     # longer contexts take the faster shape and agree up to bf16 rounding (cuda_attention.py). At most
     # INVARIANT_CONTEXT_LIMIT.
     invariant_max_context: int = 512
+    # FP8 checkpoints (and quantize="fp8") keep their E4M3 codes on the device, at half the weight memory, and the
+    # linear ops read them (fp8_weight.py). Off: dequantized to bf16 at load. Off by default while the FP8 path is
+    # slower where it counts: its many-row path makes a verify at batch 8 2.7x slower than bf16 (BENCHMARKS.md).
+    fp8_on_device: bool = False
     # A folder to compile the CUDA sources from instead of the package's: an A/B of kernel code in one checkout.
     kernel_dir: str | None = None
     # Extra NVRTC options for every module, e.g. -lineinfo, or the step timeline's -DCF_TRACE

@@ -4,6 +4,7 @@ the block grid; and the tiny pair quantized to FP8 at load: speculative greedy e
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from cudflash import LLM, SamplingParams
 from cudflash.quant import QuantizedWeight, concat_rows, dequantize, quantize_fp8_block
@@ -27,27 +28,32 @@ def _weights(rng) -> list[QuantizedWeight]:
     return [fp8, fused, channel, nvfp4]
 
 
-def test_load_quantized_is_numpy_rounded_to_bf16(cb, rng):
-    """NVFP4 is dequantized at load; FP8 stays FP8 on the device (Fp8Weight), and its bf16 form for the many-row
-    GEMMs has the same bits."""
+@pytest.mark.parametrize("fp8_on_device", [False, True])
+def test_load_quantized_is_numpy_rounded_to_bf16(rng, fp8_on_device):
+    """NVFP4 is dequantized at load; FP8 too by default, and with tuning.fp8_on_device it stays FP8 on the device
+    (Fp8Weight), whose bf16 form for the many-row GEMMs has the same bits."""
+    from cudflash.backends.cuda_backend import CudaBackend
     from cudflash.backends.fp8_weight import Fp8Weight, dequantize_bf16
 
+    cb = CudaBackend(tuning={"fp8_on_device": fp8_on_device})
     for w in _weights(rng):
         want = float32_to_bf16_bits(dequantize(w))
         got = cb.load_quantized(w)
-        assert isinstance(got, Fp8Weight) == (w.format == "fp8")
+        assert isinstance(got, Fp8Weight) == (fp8_on_device and w.format == "fp8")
         if isinstance(got, Fp8Weight):
             got = dequantize_bf16(got, cb.act, cb.tuning)
         assert np.array_equal(_bf16_bits(got), want), w.format
 
 
-def test_tiny_pair_fp8_at_load_on_the_gpu(tiny_pair):
+@pytest.mark.parametrize("fp8_on_device", [False, True])
+def test_tiny_pair_fp8_at_load_on_the_gpu(tiny_pair, fp8_on_device):
     import json
 
     prompts = json.loads((tiny_pair / "prompts_dev.json").read_text())["prompts"]
     params = SamplingParams(max_tokens=128, ignore_eos=True)
-    gpu = LLM(tiny_pair / "target", draft=tiny_pair / "drafter", backend="cuda", quantize="fp8")
+    tuning = {"fp8_on_device": fp8_on_device}
+    gpu = LLM(tiny_pair / "target", draft=tiny_pair / "drafter", backend="cuda", quantize="fp8", tuning=tuning)
     spec = gpu.generate(prompts, params)
-    ar = LLM(tiny_pair / "target", backend="cuda", quantize="fp8").generate(prompts, params)
+    ar = LLM(tiny_pair / "target", backend="cuda", quantize="fp8", tuning=tuning).generate(prompts, params)
     same = sum(s.token_ids == a.token_ids for s, a in zip(spec, ar))
     assert same >= int(np.ceil(0.95 * len(prompts))), f"spec == AR on {same} of {len(prompts)} prompts"
