@@ -65,16 +65,25 @@ def _pool(x: cupy.ndarray, ndim: int, what: str) -> None:
                            f"{getattr(x, 'dtype', type(x))} {getattr(x, 'shape', '')}")
 
 
-def _sequences(slots, meta: AttentionMeta) -> tuple[cupy.ndarray, cupy.ndarray, int, int]:
-    """(slots int32 [n], cu_seqlens int32 [n + 1] on the device, n, the longest sequence's rows). A meta that was
-    not prepared (the model's commit builds one on the host) has its row offsets uploaded here."""
+def _sequences(slots, meta: AttentionMeta) -> tuple[cupy.ndarray, cupy.ndarray, int, int, int]:
+    """(slots int32 [n], cu_seqlens int32 [n + 1] on the device, n, the longest sequence's rows, the rows the
+    sequences cover). A meta that was not prepared (the model's commit builds one on the host) has its row offsets
+    uploaded here."""
     cu_host = np.asarray(meta.cu_seqlens_q)
     n = len(cu_host) - 1
     cu = meta.device.cu_seqlens if meta.device is not None else cupy.asarray(cu_host.astype(np.int32))
     slots = device_i32(slots)
     if slots.shape != (n,):
         raise BackendError(f"cuda gdn: {slots.shape[0]} state slots for {n} sequences")
-    return slots, cu, n, int(meta.max_q_len)
+    return slots, cu, n, int(meta.max_q_len), int(cu_host[-1])
+
+
+def _output(shape: tuple[int, int], covered: int) -> cupy.ndarray:
+    """The float32 output: the kernels write every row of every sequence (zeros for a padding one), so it is cleared
+    only where rows lie past the last sequence (numpy leaves those 0)."""
+    if covered > shape[0]:
+        raise BackendError(f"cuda gdn: the sequences cover {covered} rows of an input of {shape[0]}")
+    return cupy.empty(shape, dtype=cupy.float32) if covered == shape[0] else cupy.zeros(shape, dtype=cupy.float32)
 
 
 def causal_conv1d(x: cupy.ndarray, weight: cupy.ndarray, conv_states: cupy.ndarray, slots, meta: AttentionMeta,
@@ -92,8 +101,8 @@ def causal_conv1d(x: cupy.ndarray, weight: cupy.ndarray, conv_states: cupy.ndarr
     weight, _ = _rows(weight, "causal_conv1d weight")
     if not weight.flags.c_contiguous:
         weight = cupy.ascontiguousarray(weight)
-    slots, cu, n, max_rows = _sequences(slots, meta)
-    out = cupy.zeros((t, c), dtype=cupy.float32)  # rows of padding sequences stay 0, as numpy's
+    slots, cu, n, max_rows, covered = _sequences(slots, meta)
+    out = _output((t, c), covered)
     if t and n and c:
         grid = (cdiv(c, CONV_THREADS), max(1, cdiv(max_rows, CONV_ROWS)), n)
         _kernel(f"causal_conv1d<{taps}, {_ctype(x)}, {_ctype(weight)}>", tuning)(
@@ -122,8 +131,8 @@ def gated_delta_rule(qkv: cupy.ndarray, a: cupy.ndarray, b: cupy.ndarray, A_log:
     dt_bias = cupy.ascontiguousarray(dt_bias, dtype=cupy.float32)
     if A_log.shape != (hv,) or dt_bias.shape != (hv,):
         raise BackendError(f"cuda gdn: A_log {A_log.shape} / dt_bias {dt_bias.shape}, expected ({hv},)")
-    slots, cu, n, _ = _sequences(slots, meta)
-    out = cupy.zeros((t, hv * dv), dtype=cupy.float32)  # rows of padding sequences stay 0, as numpy's
+    slots, cu, n, _, covered = _sequences(slots, meta)
+    out = _output((t, hv * dv), covered)
     if t and n:
         _kernel(f"gdn_recurrent<{dk}>", tuning)(
             (n, hv, cdiv(dv, GDN_TILE)), (GDN_THREADS,),
