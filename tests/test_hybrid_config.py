@@ -103,21 +103,6 @@ def test_conditional_without_text_config(tmp_path):
     error(tmp_path, cfg, "text_config")
 
 
-def test_the_existing_engine_refuses_a_hybrid_target_clearly(tmp_path):
-    """The engine serves hybrids on the CPU; on the CUDA backend (a stand-in object named so: the check comes before
-    anything touches the device) it refuses them by name, before any weight loads."""
-    from cudflash.engine.model_runner import ModelRunner
-    from cudflash.tiny_hybrid import write_hybrid_target
-
-    class CudaStandIn:
-        name = "cuda"
-
-    target = write_hybrid_target(tmp_path / "t", HybridShape())
-    with pytest.raises(ConfigError) as e:
-        ModelRunner(load_target_config(target), None, CudaStandIn(), max_block_size=1)
-    expect_error(e, "Qwen3_5ForConditionalGeneration", "Gated DeltaNet", "GPU kernels", "backend='cpu'")
-
-
 def test_a_tree_budget_on_a_hybrid_target_is_refused_naming_the_recurrent_layers(tmp_path):
     from cudflash import LLM
     from cudflash.tiny import write_random_pair

@@ -14,7 +14,7 @@ from typing import Any
 import cupy
 import numpy as np
 
-from cudflash.backends import fp8_weight, kernel_loader, stream_gemm
+from cudflash.backends import cuda_gdn, fp8_weight, kernel_loader, stream_gemm
 from cudflash.backends.base import AttentionMeta, DeferredNorm
 from cudflash.backends.cublas import Cublas
 from cudflash.backends.cuda_attention import attention as _attention
@@ -633,26 +633,26 @@ class CudaBackend:
                 (unary, cand, pred, hidden, i64(sh), a, i64(sa), b, i64(sb), out, i32(p), i32(k), i32(rank)))
         return out
 
-    # ---- hybrid targets: not on the GPU yet (issue #22). Each raises rather than compute something else; the
-    # numpy backend defines them (NumpyBackend.gdn_chunked and its neighbours).
-    def _hybrid_op_missing(self, op: str):
-        raise BackendError(f"cuda backend: {op} (Gated DeltaNet hybrid targets) has no CUDA kernel yet; run hybrid "
-                           f"targets on the cpu backend")
+    # ---- hybrid targets (Gated DeltaNet layers): kernels/gdn.cu through cuda_gdn.py
+    def causal_conv1d(self, x: cupy.ndarray, weight: cupy.ndarray, conv_states: cupy.ndarray, slots: Any,
+                      meta: AttentionMeta, commit: bool) -> cupy.ndarray:
+        return cuda_gdn.causal_conv1d(x, weight, conv_states, slots, meta, commit, self.tuning)
 
-    def causal_conv1d(self, x: Any, weight: Any, conv_states: Any, slots: Any, meta: AttentionMeta,
-                      commit: bool) -> Any:
-        self._hybrid_op_missing("causal_conv1d")
+    def gdn_chunked(self, qkv: cupy.ndarray, a: cupy.ndarray, b: cupy.ndarray, A_log: cupy.ndarray,
+                    dt_bias: cupy.ndarray, states: cupy.ndarray, slots: Any, meta: AttentionMeta,
+                    commit: bool) -> cupy.ndarray:
+        # The same function as gdn_recurrent (base.py); for now the same kernel too, token by token within each
+        # sequence. The tensor-core chunked (WY) form is not written yet.
+        return cuda_gdn.gated_delta_rule(qkv, a, b, A_log, dt_bias, states, slots, meta, commit, self.tuning)
 
-    def gdn_chunked(self, qkv: Any, a: Any, b: Any, A_log: Any, dt_bias: Any, states: Any, slots: Any,
-                    meta: AttentionMeta, commit: bool) -> Any:
-        self._hybrid_op_missing("gdn_chunked")
+    def gdn_recurrent(self, qkv: cupy.ndarray, a: cupy.ndarray, b: cupy.ndarray, A_log: cupy.ndarray,
+                      dt_bias: cupy.ndarray, states: cupy.ndarray, slots: Any, meta: AttentionMeta,
+                      commit: bool) -> cupy.ndarray:
+        return cuda_gdn.gated_delta_rule(qkv, a, b, A_log, dt_bias, states, slots, meta, commit, self.tuning)
 
-    def gdn_recurrent(self, qkv: Any, a: Any, b: Any, A_log: Any, dt_bias: Any, states: Any, slots: Any,
-                      meta: AttentionMeta, commit: bool) -> Any:
-        self._hybrid_op_missing("gdn_recurrent")
+    def gated_rms_norm(self, x: cupy.ndarray, z: cupy.ndarray, weight: cupy.ndarray, eps: float,
+                       head_dim: int) -> cupy.ndarray:
+        return cuda_gdn.gated_rms_norm(x, z, weight, eps, head_dim, self.tuning)
 
-    def gated_rms_norm(self, x: Any, z: Any, weight: Any, eps: float, head_dim: int) -> Any:
-        self._hybrid_op_missing("gated_rms_norm")
-
-    def sigmoid_gate(self, x: Any, gate: Any) -> Any:
-        self._hybrid_op_missing("sigmoid_gate")
+    def sigmoid_gate(self, x: cupy.ndarray, gate: cupy.ndarray) -> cupy.ndarray:
+        return cuda_gdn.sigmoid_gate(x, gate, self.tuning)

@@ -113,7 +113,9 @@ class LLM:
                                   quantize=quantize, quantize_draft=quantize_draft)
         self.runner.blocks.enable_prefix_caching = enable_prefix_caching
         proposer = make_proposer(self.runner, self.draft_options) if self.runner.draft is not None else None
-        self.engine = self._make_step(proposer, graphs=self.backend.name == "cuda" and not enforce_eager)
+        # A hybrid's step runs op by op for now: its commit stages row offsets from the host (cuda_gdn.py).
+        graphs = self.backend.name == "cuda" and not enforce_eager and self.target_cfg.hybrid is None
+        self.engine = self._make_step(proposer, graphs=graphs)
         # Plain decoding replayed from graphs queues each next step ahead: it needs a slot one position further on.
         ahead = self.engine.graphs is not None and self.engine.graphs.pipeline and self.block_size == 1
         self.scheduler = Scheduler(self.runner.blocks, verify_rows, max_num_seqs, max_num_batched_tokens,

@@ -79,9 +79,6 @@ class ModelRunner:
                  max_num_seqs: int = 64, memory_utilization: float = 0.9, progress: bool = False,
                  random_weights: bool = False, max_model_len: int | None = None, check_weights: bool = True,
                  target_quant: QuantScheme | None = None, quantize: str | None = None, quantize_draft: bool = False):
-        if target_cfg.hybrid is not None and backend.name == "cuda":
-            raise ConfigError(f"{target_cfg.path}: {target_cfg.hybrid.checkpoint_class} is a Gated DeltaNet hybrid: "
-                              f"the GPU kernels for Gated DeltaNet layers are not there yet; use backend='cpu'")
         self.backend, self.target_cfg, self.draft_cfg = backend, target_cfg, draft_cfg
         # The longest prompt + output served; positions reach a draft block (and one pending token) past it.
         self.max_model_len = max_model_len or target_cfg.max_position_embeddings
