@@ -139,3 +139,41 @@ def test_vocab_parallel_argmax_ties_and_nonfinite():
     assert want.tolist() == [2, 9, 0, -1]
     assert all(o.tolist() == want.tolist() for o in out)
 
+
+@pytest.fixture(scope="module")
+def tp_pair_outputs(tiny_pair, goldens):
+    """The engine at tensor_parallel_size=2 on the tiny pair: autoregressive and speculative, 3 prompts."""
+    picked = goldens[:3]
+    params = SamplingParams(max_tokens=ENGINE_TOKENS, ignore_eos=True)
+    prompts = [g["prompt_ids"] for g in picked]
+    ar = LLM(tiny_pair / "target", backend="cpu", tensor_parallel_size=2).generate(prompts, params)
+    spec_llm = LLM(tiny_pair / "target", draft=tiny_pair / "drafter", backend="cpu", tensor_parallel_size=2)
+    return picked, ar, spec_llm, spec_llm.generate(prompts, params)
+
+
+ENGINE_TOKENS = 24
+
+
+def test_engine_tp2_greedy_equals_goldens(tp_pair_outputs):
+    """Greedy tokens at tp=2 equal the unsharded model's exactly (the goldens), and the speculative run accepts
+    exactly the unsharded acceptance lengths' prefix (same target argmaxes, same drafter inputs)."""
+    picked, ar, _, spec = tp_pair_outputs
+    for g, a, s in zip(picked, ar, spec):
+        assert a.token_ids == g["ar_ids"][:ENGINE_TOKENS]
+        assert s.token_ids == g["spec_ids"][:ENGINE_TOKENS]
+        n = len(s.acceptance_lengths)
+        assert s.acceptance_lengths[:n - 1] == g["acceptance_lengths"][:n - 1]
+
+
+def test_engine_tp_cache_holds_each_ranks_heads(tp_pair_outputs, tiny_pair):
+    _, _, llm, _ = tp_pair_outputs
+    kv = llm.runner.target_kv.k
+    assert kv.shape[3] == 2  # 2 KV heads over 2 ranks: one per rank, side by side
+    assert llm.runner.target.rank_kv(llm.runner.target_kv, 1).k.shape[3] == 1
+
+
+@pytest.mark.parametrize("size, needle", [(3, "1, 2, 4, 8"), (4, "6 query heads")])
+def test_engine_refuses_bad_tensor_parallel_size(tiny_pair, size, needle):
+    with pytest.raises(ConfigError) as e:
+        LLM(tiny_pair / "target", backend="cpu", tensor_parallel_size=size)
+    expect_error(e, f"tensor_parallel_size={size}", needle)
