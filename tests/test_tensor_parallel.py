@@ -78,12 +78,14 @@ def random_targets(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp")
     shapes = {
         # 4 KV heads over 4 ranks, biases (Qwen2), and untied LM head
-        "even": TinyShape(arch="qwen2", num_heads=8, num_kv_heads=4, vocab_size=256, num_layers=2),
+        "even": TinyShape(arch="qwen2", num_heads=8, num_kv_heads=4, vocab_size=256, num_layers=2,
+                          target_layer_ids=[0, 1]),
         # 2 KV heads < 4 ranks: replicated; vocab 250 = 63 + 63 + 63 + 61 over 4 ranks; tied embeddings
         "replicated_kv_uneven_vocab": TinyShape(num_heads=4, num_kv_heads=2, vocab_size=250, num_layers=2,
-                                                tie_word_embeddings=True),
+                                                target_layer_ids=[0, 1], tie_word_embeddings=True),
         # one KV head shared by every rank
-        "mqa": TinyShape(arch="llama", num_heads=8, num_kv_heads=1, vocab_size=255, num_layers=2),
+        "mqa": TinyShape(arch="llama", num_heads=8, num_kv_heads=1, vocab_size=255, num_layers=2,
+                         target_layer_ids=[0, 1]),
     }
     return {k: write_random_pair(root / k, s, seed=i)[0] for i, (k, s) in enumerate(shapes.items())}
 
@@ -177,3 +179,26 @@ def test_engine_refuses_bad_tensor_parallel_size(tiny_pair, size, needle):
     with pytest.raises(ConfigError) as e:
         LLM(tiny_pair / "target", backend="cpu", tensor_parallel_size=size)
     expect_error(e, f"tensor_parallel_size={size}", needle)
+
+
+@pytest.mark.parametrize("options", [None, {"tree_budget": 7}], ids=["path", "tree"])
+def test_engine_tp4_replicated_kv_equals_tp1(random_targets, options):
+    """KV heads (2) < ranks (4) and V % 4 != 0 through the whole engine, with the drafter: greedy speculative
+    tokens (a path, and a draft tree, whose compaction moves every rank's heads) and seeded sampling (gathered
+    logits into the tp=1 sampler) equal tp=1's exactly."""
+    target = random_targets["replicated_kv_uneven_vocab"]
+    draft = target.parent / "drafter"
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15]]
+    params = [SamplingParams(max_tokens=10, ignore_eos=True),
+              SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, top_p=0.9, seed=3)]
+    llms = [LLM(target, draft=draft, backend="cpu", draft_options=options, tensor_parallel_size=n) for n in (1, 4)]
+    outs = [llm.generate(prompts * 2, [params[0]] * 2 + [params[1]] * 2) for llm in llms]
+    assert [o.token_ids for o in outs[1]] == [o.token_ids for o in outs[0]]
+    assert [o.acceptance_lengths for o in outs[1]] == [o.acceptance_lengths for o in outs[0]]
+    # The pool after the run: ranks 0, 1 hold KV head 0 and ranks 2, 3 KV head 1, in the blocks tp=1 used.
+    for field in ("k", "v"):
+        one, four = (getattr(llm.runner.target_kv, field) for llm in llms)
+        assert four.shape[3] == 4 and one.shape[3] == 2
+        # replicas agree (bitwise on this BLAS; within rounding in general: each rank's qkv GEMM has other q rows)
+        assert np.all(np.abs(four[:, :, :, [0, 0, 2, 2]] - four) <= LOGIT_RTOL * np.abs(one).max())
+        assert np.all(np.abs(four[:, :, :, [0, 2]] - one) <= LOGIT_RTOL * np.abs(one).max())

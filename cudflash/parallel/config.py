@@ -19,7 +19,8 @@ class TensorParallel:
 
     def __post_init__(self) -> None:
         if self.size not in SUPPORTED_SIZES:
-            raise ConfigError(f"tensor_parallel_size={self.size}: must be one of {', '.join(map(str, SUPPORTED_SIZES))}")
+            allowed = ", ".join(map(str, SUPPORTED_SIZES))
+            raise ConfigError(f"tensor_parallel_size={self.size}: must be one of {allowed}")
         if not 0 <= self.rank < self.size:
             raise ConfigError(f"tensor-parallel rank {self.rank} is outside 0..{self.size - 1}")
 
