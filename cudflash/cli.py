@@ -130,6 +130,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=_int_arg(1, "an integer >= 1"), default=64,
                    help="sequences in flight at once")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (op by op on the GPU)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="shard the target over N ranks (1, 2, 4 or 8; the CPU backend simulates them in one process; "
+                        "see docs/tensor_parallel.md)")
     p.add_argument("--gpu-memory-utilization", type=_float_arg(0.0, 1.0, "a number in (0, 1]", low_open=True),
                    default=0.9, help="fraction of free device memory the KV cache may take")
 
@@ -153,7 +156,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                    "verify_cost": args.verify_cost, "tree_budget": args.tree_budget}
     return dict(backend=args.backend, block_size=args.block_size, draft_options=options,
                 max_num_seqs=args.max_num_seqs, memory_utilization=args.gpu_memory_utilization,
-                enforce_eager=args.enforce_eager, quantize=args.quantize, quantize_draft=args.quantize_draft)
+                enforce_eager=args.enforce_eager, quantize=args.quantize, quantize_draft=args.quantize_draft,
+                tensor_parallel_size=args.tensor_parallel_size)
 
 
 def add_generate_arguments(g: argparse.ArgumentParser) -> None:

@@ -78,6 +78,19 @@ def test_version(capsys):
     assert r.returncode == 0 and r.stdout.strip() == f"cudflash {__version__}"
 
 
+def test_tensor_parallel_size_runs_simulated_ranks_with_the_same_tokens(pair, plain_llm, tmp_path, capsys):
+    """--tensor-parallel-size 2 on the CPU: the same greedy tokens as tp=1; a size outside 1, 2, 4, 8 is refused."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [5, 6, 7]}\n{"prompt_ids": [8]}\n')
+    args = ["generate", "--target", str(pair[0]), "--prompts", str(prompts), "--backend", "cpu",
+            "--max-new-tokens", "6", "--ignore-eos", "--progress-interval", "0"]
+    code, out, err = cli(capsys, *args, "--tensor-parallel-size", "2")
+    assert code == 0, err
+    expected = plain_llm.generate([[5, 6, 7], [8]], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [json.loads(line)["token_ids"] for line in out.splitlines()] == [e.token_ids for e in expected]
+    assert_one_line_error(*cli(capsys, *args, "--tensor-parallel-size", "3"), "tensor_parallel_size=3", "1, 2, 4, 8")
+
+
 def test_plain_decoding_reports_no_tau(pair, plain_llm, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt_ids": [5, 6, 7]}\n{"prompt_ids": [8]}\n')

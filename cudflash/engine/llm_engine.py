@@ -17,6 +17,7 @@ from cudflash.config import load_target_config
 from cudflash.draft_config import DraftOptions, apply_draft_options, load_draft_config, validate_pair
 from cudflash.engine.admission import Admission, is_token_ids
 from cudflash.engine.model_runner import ModelRunner
+from cudflash.parallel.engine_target import check_tensor_parallel
 from cudflash.engine.scheduler import Scheduler
 from cudflash.engine.sequence import Sequence, SequenceStatus, StepMark
 from cudflash.engine.propose import Proposer, make_proposer
@@ -59,7 +60,8 @@ class LLM:
                  enable_prefix_caching: bool = True, progress: bool = False, random_weights: bool = False,
                  draft_options: DraftOptions | dict | None = None, enforce_eager: bool = False,
                  tuning: CudaTuning | dict | None = None, max_model_len: int | None = None,
-                 check_weights: bool = True, quantize: str | None = None, quantize_draft: bool = False):
+                 check_weights: bool = True, quantize: str | None = None, quantize_draft: bool = False,
+                 tensor_parallel_size: int = 1):
         # A local folder, or a Hugging Face model id ("Org/Name": the local cache first, else a download).
         target = resolve_model(target, "target")
         draft = resolve_model(draft, "draft") if draft is not None else None
@@ -110,7 +112,8 @@ class LLM:
                                   max_num_seqs=max_num_seqs, memory_utilization=memory_utilization,
                                   progress=progress, random_weights=random_weights, max_model_len=max_model_len,
                                   check_weights=check_weights, target_quant=self.target_quant,
-                                  quantize=quantize, quantize_draft=quantize_draft)
+                                  quantize=quantize, quantize_draft=quantize_draft,
+                                  tensor_parallel_size=check_tensor_parallel(tensor_parallel_size, self.backend))
         self.runner.blocks.enable_prefix_caching = enable_prefix_caching
         proposer = make_proposer(self.runner, self.draft_options) if self.runner.draft is not None else None
         # A hybrid's step runs op by op for now: its commit stages row offsets from the host (cuda_gdn.py).

@@ -25,6 +25,7 @@ from cudflash.models.dflash import DFlashDraftModel
 from cudflash.models.hybrid import GDNTape, HybridCache, HybridTargetModel, state_use
 from cudflash.models.target import TargetModel
 from cudflash.models.weights import RandomWeights, WeightLoader, WeightMemory
+from cudflash.parallel.engine_target import TensorParallelTarget
 from cudflash.quant import QuantScheme
 from cudflash.rope import device_rope_tables
 
@@ -78,7 +79,8 @@ class ModelRunner:
                  max_block_size: int, kv_block_size: int = 16, num_kv_blocks: int | None = None,
                  max_num_seqs: int = 64, memory_utilization: float = 0.9, progress: bool = False,
                  random_weights: bool = False, max_model_len: int | None = None, check_weights: bool = True,
-                 target_quant: QuantScheme | None = None, quantize: str | None = None, quantize_draft: bool = False):
+                 target_quant: QuantScheme | None = None, quantize: str | None = None, quantize_draft: bool = False,
+                 tensor_parallel_size: int = 1):
         self.backend, self.target_cfg, self.draft_cfg = backend, target_cfg, draft_cfg
         # The longest prompt + output served; positions reach a draft block (and one pending token) past it.
         self.max_model_len = max_model_len or target_cfg.max_position_embeddings
@@ -94,7 +96,11 @@ class ModelRunner:
         # A checkpoint already in block-scaled FP8 keeps its own choice of unquantized modules (LLM checks the rest).
         target_loader = loader(target_cfg.path, "target", target_quant, None if target_quant else quantize)
         self.hybrid = target_cfg.hybrid is not None
-        self.target = (HybridTargetModel if self.hybrid else TargetModel)(target_cfg, target_loader, backend)
+        if tensor_parallel_size == 1:  # today's path, untouched
+            self.target = (HybridTargetModel if self.hybrid else TargetModel)(target_cfg, target_loader, backend)
+        else:
+            self.target = self._tensor_parallel_target(target_cfg, target_loader, backend, tensor_parallel_size,
+                                                       loader)
         self.draft: DFlashDraftModel | None = None
         self.tap_layers: list[int] = []
         draft_loader = None
@@ -109,7 +115,9 @@ class ModelRunner:
                     print(f"{label} weights: {used.memory.describe()}", file=sys.stderr, flush=True)
         t, d = target_cfg, draft_cfg
         attention_layers = len(t.hybrid.full_layers) if self.hybrid else t.num_layers  # GDN layers hold no KV
-        per_position = attention_layers * 2 * t.num_kv_heads * t.head_dim
+        # A tensor-parallel target's cache holds every rank's KV heads side by side (TensorParallelTarget).
+        target_kv_heads = self.target.num_kv_heads if tensor_parallel_size > 1 else t.num_kv_heads
+        per_position = attention_layers * 2 * target_kv_heads * t.head_dim
         if d is not None:
             per_position += d.num_layers * 2 * d.num_kv_heads * d.head_dim
         bytes_per_block = per_position * kv_block_size * backend.act_itemsize
@@ -129,7 +137,8 @@ class ModelRunner:
                     f"or free memory"
                 )
             num_kv_blocks = min(wanted, budget)
-        shape = lambda c, layers: (layers, num_kv_blocks + 1, kv_block_size, c.num_kv_heads, c.head_dim)  # noqa: E731
+        shape = lambda c, layers, heads=None: (layers, num_kv_blocks + 1, kv_block_size,  # noqa: E731
+                                               heads or c.num_kv_heads, c.head_dim)
         self.cache: HybridCache | None = None  # hybrid targets: the KV of the attention layers and the state pools
         try:
             if self.hybrid:
@@ -138,8 +147,8 @@ class ModelRunner:
                 self.target_kv = self.cache.kv
             else:
                 self.blocks = BlockManager(num_kv_blocks, kv_block_size)
-                self.target_kv = KVCache(backend.zeros(shape(t, t.num_layers), "act"),
-                                         backend.zeros(shape(t, t.num_layers), "act"))
+                self.target_kv = KVCache(backend.zeros(shape(t, t.num_layers, target_kv_heads), "act"),
+                                         backend.zeros(shape(t, t.num_layers, target_kv_heads), "act"))
             self.draft_kv = KVCache(backend.zeros(shape(d, d.num_layers), "act"),
                                     backend.zeros(shape(d, d.num_layers), "act")) if d else None
         except MemoryError:
@@ -159,6 +168,17 @@ class ModelRunner:
         # One block more than the manager hands out: block `num_kv_blocks` is the dummy that padded rows and unused
         # block-table entries point at (never written: padded rows' slots are -1).
         self.dummy_block = num_kv_blocks
+
+    def _tensor_parallel_target(self, cfg: TargetConfig, first: WeightLoader | RandomWeights, backend: Backend,
+                                size: int, loader: Callable) -> TensorParallelTarget:
+        """size simulated ranks of the target (CPU backend), each loading its slices with a loader of its own."""
+        if self.hybrid:
+            raise ConfigError(f"{cfg.path}: tensor parallelism over a Gated DeltaNet hybrid is not there yet; "
+                              f"use tensor_parallel_size=1")
+        if isinstance(first, RandomWeights):
+            raise ConfigError("tensor parallelism with random weights is not there yet: use tensor_parallel_size=1")
+        loaders = [first] + [loader(cfg.path, f"target rank {r}", None, None) for r in range(1, size)]
+        return TensorParallelTarget(cfg, lambda r: loaders[r], backend, size)
 
     # ---- inputs
     def batch(self, seqs: list[Sequence], ids: list[list[int]], starts: list[int]) -> ForwardBatch:

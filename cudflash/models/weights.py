@@ -85,6 +85,17 @@ class WeightLoader:
     def get(self, name: str, shape: tuple[int, ...]) -> Any:
         return self._upload(self.prefix + name, self.read(name, shape))
 
+    def get_slices(self, name: str, shape: tuple[int, ...], axis: int, ranges: list[range]) -> Any:
+        """The tensor's indices `ranges` along `axis`, concatenated (a tensor-parallel rank's shard): checked
+        against the whole `shape`, sliced on the host before the upload, so a rank holds only its part."""
+        w = self.read(name, shape)
+        if isinstance(w, QuantizedWeight):
+            raise CheckpointError(f"{shown(self.prefix + name)}: tensor parallelism over quantized weights is not "
+                                  f"there yet (their scales would be sliced with the codes)")
+        dtype, raw = w
+        part = np.concatenate([np.take(raw, np.arange(r.start, r.stop), axis=axis) for r in ranges], axis=axis)
+        return self._upload(self.prefix + name, (dtype, part))
+
     def read(self, name: str, shape: tuple[int, ...]) -> QuantizedWeight | tuple[str, np.ndarray]:
         """The tensor as the backend will get it, checked against `shape` (logical: [N, K] for a packed weight):
         a QuantizedWeight, or (safetensors dtype, read-only storage view)."""
