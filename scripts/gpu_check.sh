@@ -1,15 +1,29 @@
 #!/usr/bin/env bash
 # The whole GPU check in one go, on a machine with a CUDA device and CuPy:
 #   the GPU test suite (ops, models against numpy, goldens), a short generate run, a summary table last.
-# Usage: scripts/gpu_check.sh   (the tiny pair is found in ../shared/models or .cache/)
+# Usage: scripts/gpu_check.sh [--per-file]   (the tiny pair is found in ../shared/models or .cache/)
+#   --per-file: each tests/gpu file in a process of its own with CUDA_LAUNCH_BLOCKING=1, so a CUDA error (an illegal
+#   address is sticky: every later test of the process fails too) names the file and the launch that caused it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 out=${OUT:-/tmp}
 pair=../shared/models/tiny-code-pair; [ -d "$pair" ] || pair=.cache/tiny-code-pair
 
-python3 -m pytest -q -s tests/gpu 2>&1 | tee "$out/gpu_tests.log"
-tests_rc=${PIPESTATUS[0]}
+if [ "${1:-}" = "--per-file" ]; then
+    tests_rc=0
+    : > "$out/gpu_tests.log"
+    for f in tests/gpu/test_*.py; do
+        CUDA_LAUNCH_BLOCKING=1 python3 -m pytest -q -x -p no:cacheprovider "$f" > "$out/$(basename "$f" .py).log" 2>&1
+        rc=$?
+        echo "$f rc=$rc $(tail -1 "$out/$(basename "$f" .py).log")" | tee -a "$out/gpu_tests.log"
+        [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || { tests_rc=$rc;  # 5: all skipped (no GPU)
+            grep -m3 -E "Error|error" "$out/$(basename "$f" .py).log"; }
+    done
+else
+    python3 -m pytest -q -s tests/gpu 2>&1 | tee "$out/gpu_tests.log"
+    tests_rc=${PIPESTATUS[0]}
+fi
 
 python3 -m cudflash generate --backend cuda --target "$pair/target" --draft "$pair/drafter" \
     --prompts <(python3 -c "import json; [print(json.dumps({'prompt_ids': p})) for p in json.load(open('$pair/prompts_dev.json'))['prompts']]") \
