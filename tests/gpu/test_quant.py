@@ -1,6 +1,7 @@
-"""Quantized weights on the GPU: load_quantized keeps FP8 as codes and scales (whose bf16 form is exactly the numpy
-backend's float32 values rounded once) and dequantizes NVFP4 the same way, for every format and a fused weight off
-the block grid; and the tiny pair quantized to FP8 at load: speculative greedy equals autoregressive greedy."""
+"""Quantized weights on the GPU: load_quantized dequantizes to the numpy backend's float32 values rounded once to
+bf16, or with tuning.fp8_on_device keeps FP8 as codes and scales whose bf16 form has those bits (NVFP4 always
+dequantized), for every format and a fused weight off the block grid; and the tiny pair quantized to FP8 at load:
+speculative greedy equals autoregressive greedy."""
 from __future__ import annotations
 
 import numpy as np

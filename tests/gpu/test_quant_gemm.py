@@ -28,6 +28,15 @@ EPS = 1e-6
 SHAPES = [(200, 256), (1000, 512), (4096, 1024), (4000, 4096), (24576, 256), (296, 12288)]
 
 
+@pytest.fixture(scope="module")
+def cb():
+    """The CUDA backend with FP8 weights kept on the device (tuning.fp8_on_device, off by default): its
+    load_quantized gives the Fp8Weight whose GEMMs these tests check."""
+    from cudflash.backends.cuda_backend import CudaBackend
+
+    return CudaBackend(tuning={"fp8_on_device": True})
+
+
 def quantized(rng, n: int, k: int, scale: float = 1.0) -> QuantizedWeight:
     return quantize_fp8_block((rng.standard_normal((n, k)) * scale).astype(np.float32))
 
