@@ -107,6 +107,33 @@ def top2_relative_gap(logits: np.ndarray) -> float:
     return float((a - b) / max(abs(a), 1e-12))
 
 
+def poison_one_logit(llm, step: int = 4):
+    """Make one logit NaN, once: row 0, column 3 of the LM head's output right after the `step`-th target forward
+    (the first scored row of that step: a verify's pending token, or a decode's only row). Returns a function
+    that puts the real forward and LM head back."""
+    runner = llm.runner
+    real_forward, real_logits, forwards = runner.target_forward, runner.target.logits, []
+    done = []
+
+    def forward(*args, **kwargs):  # the target forward; the LM head right after it scores its rows
+        forwards.append(1)
+        return real_forward(*args, **kwargs)
+
+    def poisoned(hidden):
+        out = real_logits(hidden)
+        if len(forwards) == step and not done:
+            done.append(1)
+            out = out.copy()
+            out[0, 3] = np.nan
+        return out
+
+    runner.target_forward, runner.target.logits = forward, poisoned
+
+    def restore() -> None:
+        runner.target_forward, runner.target.logits = real_forward, real_logits
+    return restore
+
+
 def expect_error(exc_info: pytest.ExceptionInfo, *needles: object) -> str:
     """A user error's message is one line and names every needle (file, tensor, field, values)."""
     msg = str(exc_info.value)

@@ -11,6 +11,7 @@ import pytest
 
 from cudflash import LLM, SamplingParams
 from cudflash.tiny import TinyShape, write_random_pair
+from tests.conftest import poison_one_logit
 
 N = 7
 
@@ -183,21 +184,7 @@ def test_non_finite_logits_finish_the_sequence_with_an_error(pair, requests, sol
     target, draft = pair
     llm = LLM(target, draft=draft if speculative else None, backend="cpu", kv_block_size=8)
     free = llm.runner.blocks.num_free
-    real_forward, real_logits, forwards = llm.runner.target_forward, llm.runner.target.logits, []
-
-    def forward(*args, **kwargs):  # the verify forward; the LM head right after it scores its rows
-        forwards.append(1)
-        return real_forward(*args, **kwargs)
-
-    def poisoned(hidden):
-        out = real_logits(hidden)
-        if len(forwards) == 4 and not getattr(poisoned, "done", False):
-            poisoned.done = True
-            out = out.copy()
-            out[0, 3] = np.nan  # the first scored row of the fourth step
-        return out
-
-    llm.runner.target_forward, llm.runner.target.logits = forward, poisoned
+    restore = poison_one_logit(llm, step=4)
     greedy = [i for i in range(N) if params[i].temperature == 0.0][:3]
     results = llm.generate([prompts[i] for i in greedy], [params[i] for i in greedy])
     reasons = [r.finish_reason for r in results]
@@ -205,6 +192,6 @@ def test_non_finite_logits_finish_the_sequence_with_an_error(pair, requests, sol
     for r, i in zip(results, greedy):
         assert r.token_ids == (solo[i] if r.finish_reason != "error" else solo[i][:len(r.token_ids)])
     assert llm.runner.blocks.num_free == free and not llm.has_unfinished()
-    llm.runner.target_forward, llm.runner.target.logits = real_forward, real_logits
+    restore()
     assert [r.token_ids for r in llm.generate([prompts[i] for i in greedy], [params[i] for i in greedy])] == \
         [solo[i] for i in greedy]

@@ -15,7 +15,7 @@ from cudflash.engine.propose import HostProposer
 from cudflash.models.hybrid_reference import OneSequence, greedy
 from cudflash.tiny import TinyHeads, TinyShape
 from cudflash.tiny_hybrid import HybridShape, write_hybrid_drafter, write_hybrid_target
-from tests.conftest import expect_error
+from tests.conftest import expect_error, poison_one_logit
 
 SHAPE = {"conditional": HybridShape(checkpoint_class="conditional", shards=2),
          "causal": HybridShape(checkpoint_class="causal")}
@@ -99,27 +99,13 @@ def test_a_sequence_that_emits_nothing_commits_nothing_and_the_others_go_on(pair
     target, drafter = pairs["causal"]
     llm = LLM(target, draft=drafter, backend="cpu", max_num_seqs=4)
     llm.proposer = HalfRight({tuple(p): w for p, w in zip(PROMPTS, reference)}, right=2)
-    real_forward, real_logits, forwards = llm.runner.target_forward, llm.runner.target.logits, []
-
-    def forward(*args, **kwargs):
-        forwards.append(1)
-        return real_forward(*args, **kwargs)
-
-    def poisoned(hidden):
-        out = real_logits(hidden)
-        if len(forwards) == 4 and not getattr(poisoned, "done", False):
-            poisoned.done = True
-            out = out.copy()
-            out[0, 3] = np.nan  # the first scored row of the fourth step: the first decode's pending token
-        return out
-
-    llm.runner.target_forward, llm.runner.target.logits = forward, poisoned
+    restore = poison_one_logit(llm, step=4)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.finish_reason for o in outs].count("error") == 1
     for out, want in zip(outs, reference):
         assert out.token_ids == (want if out.finish_reason != "error" else want[:len(out.token_ids)])
     assert sorted(llm.runner.states.free_live) == list(range(4))
-    llm.runner.target_forward, llm.runner.target.logits = real_forward, real_logits
+    restore()
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
 
 
