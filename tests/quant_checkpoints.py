@@ -78,15 +78,20 @@ def _is_quantized(name: str) -> bool:
     return name.endswith(QUANTIZED)
 
 
+def _to_quantize(tensors: dict[str, np.ndarray], out: dict):
+    """(name, bf16 values) of each tensor a quantizing tool converts; the others go into `out` as bf16."""
+    for name, w in tensors.items():
+        if _is_quantized(name):
+            yield name, _bf16_values(w)
+        else:
+            out[name] = _bf16(w)
+
+
 def qwen_fp8(tensors: dict[str, np.ndarray], block=(128, 128), scale_dtype: str = "F32"):
     """(tensors, quantization_config) of a Qwen -FP8 release."""
     out = {}
     bn, bk = block
-    for name, w in tensors.items():
-        if not _is_quantized(name):
-            out[name] = _bf16(w)
-            continue
-        w = _bf16_values(w)
+    for name, w in _to_quantize(tensors, out):
         n, k = w.shape
         sn, sk = -(-n // bn), -(-k // bk)
         amax = np.zeros((sn, sk), dtype=np.float32)
@@ -106,11 +111,7 @@ def compressed_fp8(tensors: dict[str, np.ndarray], strategy: str = "channel", sc
                    static_input: bool = False):
     """(tensors, quantization_config) of an llm-compressor FP8 checkpoint (channel or tensor weight scales)."""
     out = {}
-    for name, w in tensors.items():
-        if not _is_quantized(name):
-            out[name] = _bf16(w)
-            continue
-        w = _bf16_values(w)
+    for name, w in _to_quantize(tensors, out):
         amax = np.abs(w).max(axis=1, keepdims=True) if strategy == "channel" else np.abs(w).max().reshape(1)
         scale = _stored_scale(np.where(amax > 0, amax / np.float32(448), 1).astype(np.float32), scale_dtype)
         out[name] = ("F8_E4M3", encode_e4m3(w / (scale if strategy == "channel" else scale[0])))
@@ -134,11 +135,7 @@ def modelopt_nvfp4(tensors: dict[str, np.ndarray]):
     """(tensors, hf_quant_config.json, config.json quantization_config) of a ModelOpt NVFP4 export: global scale
     amax / (6 * 448), block scales E4M3 of block amax / (6 * global), elements E2M1 of w / (block * global)."""
     out = {}
-    for name, w in tensors.items():
-        if not _is_quantized(name):
-            out[name] = _bf16(w)
-            continue
-        w = _bf16_values(w)
+    for name, w in _to_quantize(tensors, out):
         n, k = w.shape
         g = np.float32(np.abs(w).max() / np.float32(6 * 448))
         blocks = w.reshape(n, k // 16, 16)
