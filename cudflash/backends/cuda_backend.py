@@ -336,9 +336,7 @@ class CudaBackend:
                 y = streamed_out(m)
                 stream_gemm.row_scaled(x, weight, y, self.num_sms, self.tuning, swiglu)
                 return y
-            if x.plain is None:
-                x.plain = self.rms_norm(x.residual, x.weight, x.eps)
-            x = x.plain
+            x = self._normed(x)
         x = as_rows(x)
         if x.dtype != self.act or weight.dtype != self.act:
             raise BackendError(f"cuda linear: operands must be bf16, got {x.dtype} and {weight.dtype}")
@@ -358,6 +356,12 @@ class CudaBackend:
             self.blas.gemm_bf16(x, weight, y)
         return self._swiglu_rows(y) if swiglu else y
 
+    def _normed(self, x: DeferredNorm) -> cupy.ndarray:
+        """A deferred norm's rows normalised, once per DeferredNorm: for a GEMM that cannot take it row-scaled."""
+        if x.plain is None:
+            x.plain = self.rms_norm(x.residual, x.weight, x.eps)
+        return x.plain
+
     def _gemm_fp8(self, x: cupy.ndarray | DeferredNorm, weight: Fp8Weight, out_dtype: np.dtype, swiglu: bool,
                   streamed_out) -> cupy.ndarray:
         """_gemm for an FP8 weight. Up to 16 rows (stream_gemm.usable_fp8): the streaming GEMM reads the codes, with
@@ -371,9 +375,7 @@ class CudaBackend:
                 y = streamed_out(m)
                 stream_gemm.row_scaled(x, weight, y, self.num_sms, self.tuning, swiglu)
                 return y
-            if x.plain is None:
-                x.plain = self.rms_norm(x.residual, x.weight, x.eps)
-            x = x.plain
+            x = self._normed(x)
         x = as_rows(x)
         if x.dtype != self.act:
             raise BackendError(f"cuda linear: x must be bf16, got {x.dtype}")
