@@ -47,10 +47,11 @@ def _seq(rng, need: int):
 
 @pytest.mark.parametrize("prefills,decodes,padding,q,ahead", [
     (0, 1, 0, 1, 0), (0, 1, 0, 16, 0), (0, 3, 1, 16, 0), (0, 5, 3, 1, 0), (0, 0, 2, 4, 0), (0, 1, 0, 1, 1),
-    (0, 5, 3, 1, 1), (2, 3, 0, 8, 0), (3, 0, 0, 0, 0), (1, 2, 0, 16, 0)])
+    (0, 5, 3, 1, 1), (2, 3, 0, 8, 0), (3, 0, 0, 0, 0), (1, 2, 0, 16, 0), (0, 2, 3, 65, 0)])
 def test_fill_matches_the_layout(prefills, decodes, padding, q, ahead):
-    """Prefill chunks crossing block boundaries, decode blocks (staged `ahead`), padding sequences, tables of
-    different lengths, score rows; the buffer holds the previous step's values (all must be overwritten)."""
+    """Prefill chunks crossing block boundaries, decode blocks (staged `ahead`), padding sequences (a draft tree's
+    padded width spans several cache blocks: q = 65), tables of different lengths, score rows; the buffer holds the
+    previous step's values (all that attention reads must be overwritten)."""
     rng = np.random.default_rng(prefills * 1000 + decodes * 100 + q * 10 + padding + ahead)
     chunks = []
     for _ in range(prefills):
@@ -73,8 +74,8 @@ def test_fill_matches_the_layout(prefills, decodes, padding, q, ahead):
     got_tables = packed[layout.tables_at:].reshape(len(chunks), MAX_BLOCKS)
     want_tables = want[layout.tables_at:].reshape(len(chunks), MAX_BLOCKS)
     for i, (seq, start, tokens, *_) in enumerate(chunks):  # the entries attention reads: its blocks, or the dummy
-        used = len(seq.block_table) if seq is not None else 1
-        assert -(-(start + len(tokens)) // BS) <= used or seq is None
+        used = len(seq.block_table) if seq is not None else -(-len(tokens) // BS)  # padding: every block it spans
+        assert -(-(start + len(tokens)) // BS) <= used
         np.testing.assert_array_equal(got_tables[i, :used], want_tables[i, :used])
 
 

@@ -103,9 +103,9 @@ def fill(packed: np.ndarray, layout: StepLayout, chunks: Seq[Chunk], block_size:
         count = len(tokens)
         ids += tokens
         positions += range(start, start + count) if rows_at is None else rows_at
-        if seq is None:
+        if seq is None:  # padding: no K/V written; its rows' keys (positions 0 .. count - 1) read the dummy block
             slots += [-1] * count
-            tables[i, 0] = dummy_block
+            tables[i, :-(-count // block_size)] = dummy_block  # a tree's padded width spans several blocks
         else:
             table = seq.block_table
             slots += chunk_slots(table, start, count, block_size)
