@@ -5,7 +5,7 @@ layers, `Qwen3_5ForCausalLM`) on Python source, and a DFlash drafter for it, wit
         [--target-seconds 240] [--draft-seconds 150] [--device cuda]
 
 The corpus is the Python standard library of the interpreter that runs this (every *.py under sysconfig's stdlib,
-site-packages excluded), split by file: a file whose path hashes into the last 1/32 is held out, and the dev
+site-packages excluded), split by file: a file whose path hashes into the last 1/16 is held out, and the dev
 prompts are cut from held-out files only. The tokenizer is the byte-level BPE of ../shared/models/tiny-code-pair
 (vocab 8192, id 0 <|endoftext|>, id 1 <|mask|>), copied beside the target.
 
@@ -65,7 +65,7 @@ def corpus(tok: Tokenizer) -> tuple[np.ndarray, list[np.ndarray]]:
         text = p.read_text(errors="ignore")
         if len(text) < 200:
             continue
-        held_out = hashlib.sha256(str(p.relative_to(root)).encode()).digest()[0] % 32 == 31
+        held_out = hashlib.sha256(str(p.relative_to(root)).encode()).digest()[0] % 16 == 15
         ids = np.asarray(tok.encode(text).ids, dtype=np.int32)
         (dev if held_out else train).append(ids)
     stream = np.concatenate([np.append(ids, EOS_ID) for ids in train])
@@ -75,16 +75,23 @@ def corpus(tok: Tokenizer) -> tuple[np.ndarray, list[np.ndarray]]:
 
 
 def dev_prompts(dev: list[np.ndarray]) -> list[list[int]]:
-    """NUM_PROMPTS prompts of PROMPT_LEN tokens, each from a different held-out file, at a fixed random offset."""
+    """NUM_PROMPTS prompts of PROMPT_LEN tokens from the held-out files: the files taken in a random order, one
+    window each, and round after round more non-overlapping windows of the files long enough when the held-out
+    files are fewer than NUM_PROMPTS (a small stdlib, as on a minimal Linux install)."""
     rng = np.random.default_rng(0)
-    long = [ids for ids in dev if ids.size >= PROMPT_LEN + NEW_TOKENS]
-    picks = rng.choice(len(long), NUM_PROMPTS, replace=False)
-    out = []
-    for i in picks:
-        ids = long[i]
-        start = int(rng.integers(0, ids.size - PROMPT_LEN))
-        out.append([int(t) for t in ids[start:start + PROMPT_LEN]])
-    return out
+    span = PROMPT_LEN + NEW_TOKENS
+    order = [dev[i] for i in rng.permutation(len(dev)) if dev[i].size >= span]
+    if not order:
+        raise SystemExit(f"no held-out file has {span} tokens: the corpus is too small")
+    out: list[list[int]] = []
+    for turn in range(NUM_PROMPTS):
+        for ids in order:
+            if len(out) == NUM_PROMPTS:
+                return out
+            if (turn + 1) * span <= ids.size:  # window `turn` lies in the file's segment `turn` of span tokens
+                start = turn * span + int(rng.integers(0, span - PROMPT_LEN + 1))
+                out.append([int(t) for t in ids[start:start + PROMPT_LEN]])
+    raise SystemExit(f"the held-out files give only {len(out)} prompts of {PROMPT_LEN} tokens")
 
 
 def windows(stream: np.ndarray, n: int, length: int, rng: np.random.Generator, device: str) -> torch.Tensor:

@@ -79,9 +79,17 @@ def chat_target(tiny_pair: Path, tmp_path_factory) -> Path:
     return target
 
 
+# The trained tiny hybrid pair (a Qwen3.5 text target and its DFlash drafter), committed with the tests.
+HYBRID_PAIR = ROOT / "tests" / "data" / "tiny-hybrid-pair"
+
+
+def load_goldens(pair: Path) -> list[dict]:
+    return [json.loads(line) for line in (pair / "golden_dev.jsonl").read_text().splitlines()]
+
+
 @pytest.fixture(scope="session")
 def goldens(tiny_pair: Path) -> list[dict]:
-    return [json.loads(line) for line in (tiny_pair / "golden_dev.jsonl").read_text().splitlines()]
+    return load_goldens(tiny_pair)
 
 
 def golden_tau(goldens: list[dict]) -> float:
