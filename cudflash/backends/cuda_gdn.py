@@ -67,8 +67,8 @@ def _pool(x: cupy.ndarray, ndim: int, what: str) -> None:
 
 def _sequences(slots, meta: AttentionMeta) -> tuple[cupy.ndarray, cupy.ndarray, int, int, int]:
     """(slots int32 [n], cu_seqlens int32 [n + 1] on the device, n, the longest sequence's rows, the rows the
-    sequences cover). A meta that was not prepared (the model's commit builds one on the host) has its row offsets
-    uploaded here."""
+    sequences cover). A meta that was not prepared (one a caller built on the host alone) has its row offsets
+    uploaded here; the engine's metas are all prepared (a CUDA graph may record these ops)."""
     cu_host = np.asarray(meta.cu_seqlens_q)
     n = len(cu_host) - 1
     cu = meta.device.cu_seqlens if meta.device is not None else cupy.asarray(cu_host.astype(np.int32))
