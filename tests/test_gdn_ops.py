@@ -224,9 +224,11 @@ def test_a_span_runs_exactly_its_rows_in_place(op):
 def test_commit_span_names_the_rows_done_and_to_do():
     from cudflash.models.hybrid import commit_span
 
-    cu = np.array([0, 4, 8, 12])
-    np.testing.assert_array_equal(commit_span(cu, [0, 1, 0], [3, 4, 0], n=4), [[0, 1, 0, 0], [3, 3, 0, 0]])
+    cu = np.array([0, 4, 8, 12, 16])  # the last sequence: padding the caller does not name
+    np.testing.assert_array_equal(commit_span(cu, [0, 1, 0], [3, 4, 0]), [[0, 1, 0, 0], [3, 3, 0, 0]])
     with pytest.raises(AssertionError):
         commit_span(cu, [0, 0, 0], [5, 0, 0])  # more rows than the sequence's verify has
     with pytest.raises(AssertionError):
         commit_span(cu, [2, 0, 0], [1, 0, 0])  # fewer accepted than done
+    with pytest.raises(AssertionError):
+        commit_span(cu[:3], [0, 0, 0], [1, 1, 1])  # more sequences than the verify had

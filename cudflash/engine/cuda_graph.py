@@ -369,8 +369,7 @@ class StepGraphs:
         padding sequences none), staged with one copy, then the commit graph."""
         buf = st.buf
         host = buf.take_span()
-        host[...] = commit_span(np.arange(len(done) + 1, dtype=np.int32) * buf.q, done,
-                                [d + c for d, c in zip(done, count)], buf.n)
+        host[...] = commit_span(np.arange(buf.n + 1) * buf.q, done, [d + c for d, c in zip(done, count)])
         self._copy(host, buf.span, cupy.cuda.runtime.memcpyHostToDevice)
         buf.span_copied(self.stream)
         st.step.commit_graph.launch(self.stream)

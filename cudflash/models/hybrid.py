@@ -114,13 +114,12 @@ def state_use(b: Backend, slots: np.ndarray, cu_seqlens: np.ndarray, chunked: in
     return StateUse(every, only(0, chunked), only(chunked, n), int(cu_seqlens[chunked]), commit_recurrent)
 
 
-def commit_span(cu_seqlens: np.ndarray, done: list[int], accepted: list[int], n: int | None = None) -> np.ndarray:
-    """int32 [2, n] host: per sequence of a verify (row ranges cu [m + 1]), the rows already committed (done[s]) and
-    the rows to commit now (accepted[s] - done[s]): HybridTargetModel.commit_span's input. Sequences m .. n - 1
-    (a CUDA graph's padding) commit nothing."""
-    m = len(accepted)
-    n = m if n is None else n
-    assert len(done) == m <= n and len(cu_seqlens) >= m + 1
+def commit_span(cu_seqlens: np.ndarray, done: list[int], accepted: list[int]) -> np.ndarray:
+    """int32 [2, n] host: per sequence of a verify of n sequences (row ranges cu [n + 1]), the rows already committed
+    (done[s]) and the rows to commit now (accepted[s] - done[s]): HybridTargetModel.commit_span's input. done and
+    accepted name the first m <= n sequences; the others (a CUDA graph's padding) commit nothing."""
+    m, n = len(accepted), len(cu_seqlens) - 1
+    assert len(done) == m <= n, (len(done), m, n)
     assert all(0 <= d <= a <= cu_seqlens[s + 1] - cu_seqlens[s] for s, (d, a) in enumerate(zip(done, accepted))), \
         (done, accepted, cu_seqlens)
     span = np.zeros((2, n), dtype=np.int32)
