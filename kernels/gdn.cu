@@ -5,13 +5,19 @@
 // pools (slot < 0: a padding sequence, no state read or written; the kernels write its output rows as zeros).
 // All arithmetic is float32; the recurrent and conv states are float32 pools updated in place, and only when
 // `commit` is set (a verify runs with commit = 0 and leaves them as they were: the rollback).
+// Spans (causal_conv1d, gdn_recurrent; `spanned` = 1): span int32 [2, n] on the device; sequence s then runs only
+// its rows cu[s] + span[0][s] .. cu[s] + span[0][s] + span[1][s] - 1 (within its own rows; none if span[1][s] = 0,
+// which leaves its state as it was) and writes zeros in its other rows. That is the commit after a verify: the
+// accepted rows of the tape, read in place with the verify's cu, and counts that a CUDA graph reads at replay.
+// With spanned = 0 the span pointer is not read. n is the grid's sequence dimension.
 //
 // causal_conv1d<K, X, W>: y[t, c] = silu(sum_j w[c, j] xx[t + j, c]) with xx = [conv state (K-1 rows, oldest
 //   first); the sequence's rows of x]. x [T, C] X (bf16 or float32) with row stride sx (elements), w [C, K] W
 //   contiguous, states [S, C, K-1] float32, out [T, C] float32 contiguous.
-//   Grid (cdiv(C, blockDim.x), cdiv(max rows, CONV_ROWS), n); thread = one channel over CONV_ROWS rows, keeping the
-//   K-row window in registers. Only row tile 0 reads the conv state, and only it writes the new one (computed from x
-//   and the old state it holds in registers), so a commit never races a read.
+//   Grid (cdiv(C, blockDim.x), cdiv(max rows, CONV_ROWS), n); thread = one channel over CONV_ROWS rows (of the span
+//   with spans), keeping the K-row window in registers. Only row tile 0 reads the conv state, and only it writes the
+//   new one (computed from x and the old state it holds in registers), so a commit never races a read; tile 0 also
+//   writes the zeros of the rows outside a span.
 // gdn_recurrent<DK>: per sequence and value head h (q / k head h / (HV / HK)), token by token:
 //   S = e^g S;  S += k (beta (v - S^T k))^T;  o = S^T q,  with q, k L2-normalised (eps L2_EPS) and q scaled by qscale
 //   (dk^-1/2), beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias). qkv [T, 2 HK DK + HV DV] float32 (q | k | v)
@@ -41,8 +47,8 @@ __device__ __forceinline__ float gdn_sigmoid(float v) { return 1.f / (1.f + expf
 template <int K, typename X, typename W>
 __global__ void __launch_bounds__(128) causal_conv1d(const X* __restrict__ x, long long sx, const W* __restrict__ w,
                                                      float* __restrict__ states, const int* __restrict__ slots,
-                                                     const int* __restrict__ cu, float* __restrict__ out, int C,
-                                                     int commit) {
+                                                     const int* __restrict__ cu, const int* __restrict__ span,
+                                                     int spanned, float* __restrict__ out, int C, int commit) {
     pdl_launch_dependents();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     float wc[K];  // the conv weight is no kernel's output: read before the wait
@@ -51,9 +57,15 @@ __global__ void __launch_bounds__(128) causal_conv1d(const X* __restrict__ x, lo
     pdl_wait();
     const int s = blockIdx.z;
     const int slot = slots[s];
-    const int lo = cu[s], len = cu[s + 1] - lo;
+    const int start = cu[s], seq_rows = cu[s + 1] - start;  // the sequence's rows
+    const int first = spanned ? span[s] : 0, len = spanned ? span[gridDim.z + s] : seq_rows;  // the rows it runs
+    const int lo = start + first;
     const int r0 = blockIdx.y * CONV_ROWS;
-    if (c >= C || r0 >= len) return;
+    if (c >= C) return;
+    if (spanned && blockIdx.y == 0)  // the sequence's rows outside its span: zeros, as numpy's
+        for (int r = 0; r < seq_rows; ++r)
+            if (r < first || r >= first + len) out[(long long)(start + r) * C + c] = 0.f;
+    if (r0 >= len) return;
     if (slot < 0) {  // a padding sequence: zero rows, as numpy's (so the caller need not clear the output)
         for (int r = r0; r < min(len, r0 + CONV_ROWS); ++r) out[(long long)(lo + r) * C + c] = 0.f;
         return;
@@ -96,7 +108,8 @@ __global__ void __launch_bounds__(GDN_WARPS * 32) gdn_recurrent(
         const float* __restrict__ qkv, long long sq, const float* __restrict__ a, long long sa,
         const float* __restrict__ b, long long sb, const float* __restrict__ A_log, const float* __restrict__ dt_bias,
         float* __restrict__ states, const int* __restrict__ slots, const int* __restrict__ cu,
-        float* __restrict__ out, int HK, int HV, int DV, float qscale, int commit) {
+        const int* __restrict__ span, int spanned, float* __restrict__ out, int HK, int HV, int DV, float qscale,
+        int commit) {
     constexpr int RPW = DK / GDN_WARPS;  // state rows per thread
     static_assert(DK % GDN_WARPS == 0, "DK must split evenly over the warps");
     __shared__ float s_q[GDN_ROWS][DK];  // normalised, scaled q of the staged rows
@@ -114,9 +127,14 @@ __global__ void __launch_bounds__(GDN_WARPS * 32) gdn_recurrent(
     const float neg_a = -expf(A_log[h]), dtb = dt_bias[h];  // weights: read before the wait
     pdl_wait();
     const int slot = slots[s];
-    const int lo = cu[s], len = cu[s + 1] - lo;
-    if (len <= 0) return;  // uniform over the CTA (as the next branch): no barrier is skipped by part of it
+    const int start = cu[s], seq_rows = cu[s + 1] - start;  // the sequence's rows
+    const int first = spanned ? span[s] : 0, len = spanned ? span[gridDim.x + s] : seq_rows;  // the rows it runs
+    const int lo = start + first;
     const long long out_stride = (long long)HV * DV;
+    if (spanned && col)  // the sequence's rows outside its span: zeros, as numpy's
+        for (int r = warp; r < seq_rows; r += GDN_WARPS)
+            if (r < first || r >= first + len) out[(start + r) * out_stride + (long long)h * DV + j] = 0.f;
+    if (len <= 0) return;  // uniform over the CTA (as the next branch): no barrier is skipped by part of it
     if (slot < 0) {  // a padding sequence: zero rows, as numpy's (so the caller need not clear the output)
         if (col)
             for (int r = warp; r < len; r += GDN_WARPS) out[(lo + r) * out_stride + (long long)h * DV + j] = 0.f;

@@ -180,3 +180,55 @@ def test_gated_rms_norm_and_sigmoid_gate():
     want = h / np.sqrt((h * h).mean(-1, keepdims=True) + 1e-6) * w * (z.reshape(5, 3, DV) / (1 + np.exp(-z.reshape(5, 3, DV))))
     np.testing.assert_allclose(got, want.reshape(5, -1), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(B.sigmoid_gate(x, z), x / (1 + np.exp(-z)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("op", ["conv", "gdn"])
+def test_a_span_runs_exactly_its_rows_in_place(op):
+    """span [2, n] (rows skipped, rows run): each sequence computes, and commits, what the same op computes on those
+    rows alone (bit for bit); its other rows are 0; a count of 0 leaves the state as it was; padding stays skipped."""
+    rng = np.random.default_rng(11)
+    lens, slots = [6, 6, 6, 6, 3], np.array([2, 0, -1, 3, 1], np.int32)
+    span = np.array([[0, 2, 0, 1, 3], [4, 3, 2, 0, 0]], np.int32)
+    t = sum(lens)
+    qkv, a, b = inputs(rng, t)
+    A_log, dt_bias = params(rng)
+    w = rng.standard_normal((C, K)).astype(np.float32)
+    conv0 = rng.standard_normal((4, C, K - 1)).astype(np.float32)
+    states0 = pool(rng, 4)
+
+    def run(rows_of, m, slot_of, pools, **kw):
+        if op == "conv":
+            return B.causal_conv1d(rows_of(qkv), w, pools, slot_of, m, True, **kw)
+        return B.gdn_recurrent(rows_of(qkv), rows_of(a), rows_of(b), A_log, dt_bias, pools, slot_of, m, True, **kw)
+
+    start = np.cumsum([0] + lens)
+    pools0 = conv0 if op == "conv" else states0
+    spanned = pools0.copy()
+    out = run(lambda x: x, meta(lens), slots, spanned, span=span)
+    alone = pools0.copy()
+    for s, slot in enumerate(slots):
+        lo, first, count = start[s], span[0, s], span[1, s]
+        rows = np.zeros(t, bool)
+        rows[lo + first:lo + first + count] = True
+        if slot >= 0 and count:
+            got = run(lambda x: x[rows], meta([count]), np.array([slot], np.int32), alone)
+            np.testing.assert_array_equal(out[rows], got)
+        outside = np.zeros(t, bool)
+        outside[lo:start[s + 1]] = True
+        outside &= ~rows
+        assert not out[outside].any() and (not out[rows].any()) == (slot < 0 or not count)
+    np.testing.assert_array_equal(spanned, alone)
+    np.testing.assert_array_equal(spanned[3], pools0[3])  # slot 3: count 0
+
+
+def test_commit_span_names_the_rows_done_and_to_do():
+    from cudflash.models.hybrid import commit_span
+
+    cu = np.array([0, 4, 8, 12, 16])  # the last sequence: padding the caller does not name
+    np.testing.assert_array_equal(commit_span(cu, [0, 1, 0], [3, 4, 0]), [[0, 1, 0, 0], [3, 3, 0, 0]])
+    with pytest.raises(AssertionError):
+        commit_span(cu, [0, 0, 0], [5, 0, 0])  # more rows than the sequence's verify has
+    with pytest.raises(AssertionError):
+        commit_span(cu, [2, 0, 0], [1, 0, 0])  # fewer accepted than done
+    with pytest.raises(AssertionError):
+        commit_span(cu[:3], [0, 0, 0], [1, 1, 1])  # more sequences than the verify had

@@ -190,6 +190,35 @@ def test_a_follow_up_turn_hits_the_cache_with_its_state(pairs):
     assert got[True][1] == 48 and got[False][1] == 0
 
 
+def test_a_commit_crossing_a_snapshot_boundary_runs_in_two_spans(pairs):
+    """Where a step's accepted rows pass a hashed block's end, the commit runs the rows up to it, the snapshot is
+    taken, then the rest: two spans of the verify's tape (rows done | rows to do), which the CUDA graphs replay with
+    the same counts; elsewhere one span per step."""
+    target, drafter = pairs["conditional"]
+    turn1 = PROMPTS[2] + PROMPTS[1]  # 35 tokens
+    first = greedy(LLM(target, backend="cpu").runner.target, turn1, 20)
+    llm = LLM(target, draft=drafter, backend="cpu")
+    llm.proposer = HalfRight({tuple(turn1): first}, right=3)
+    runner, steps = llm.runner, []
+    commit_states, commit_tape = runner.commit_states, runner.commit_tape
+
+    def each_step(seqs, accepted, before, run=None):
+        steps.append((list(before), []))
+        commit_states(seqs, accepted, before, run)
+
+    def each_run(tape, slots, span):
+        steps[-1][1].append(np.array(span))
+        commit_tape(tape, slots, span)
+
+    runner.commit_states, runner.commit_tape = each_step, each_run
+    assert llm.generate([turn1], SamplingParams(max_tokens=20, ignore_eos=True))[0].token_ids == first
+    split = [(before[0], runs) for before, runs in steps if len(runs) == 2]
+    assert len(split) == 1  # 35 + 1 + 4 + 4 + 4 passes 48 inside the third decode step
+    before, (one, two) = split[0]
+    assert one[0, 0] == 0 and two[0, 0] == one[1, 0] and before + one[1, 0] == 48 and one[1, 0] + two[1, 0] == 4
+    assert all(len(runs) == 1 and runs[0][0, 0] == 0 for _, runs in steps if len(runs) != 2 and runs)
+
+
 def _assert_snapshots_hold_the_boundary_states(llm, tokens, model):
     """The snapshots after blocks 1 (the prompt's last full block: its prefill chunk ended there) and 2 (passed
     inside a step) hold the states the one-sequence loop has after the same tokens: prefill chunks 0..31 and

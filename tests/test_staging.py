@@ -118,3 +118,26 @@ def test_fill_lays_out_a_tree_chunk():
     meta = StepTensors(layout, packed, packed, longest).meta(NumpyBackend())
     assert meta.tree_seq.tolist() == [0, 1]
     assert meta.tree_mask[3:].ravel().tolist() == [0b1, 0b11, 0b101, 0b1011]
+
+
+def test_a_hybrid_batch_stages_its_state_slots():
+    """A hybrid target's layout carries each sequence's GDN state slot (-1 for a padding sequence) between the tree
+    fields and the tables; the verify batch sees it on the host and on the backend, and every other field is where
+    the layout without it puts it."""
+    rng = np.random.default_rng(4)
+    seqs = [_seq(rng, 40), _seq(rng, 60)]
+    for s, slot in zip(seqs, (5, 0)):
+        s.state_slot = slot
+    chunks = [Chunk(seqs[0], 10, [3, MASK, MASK]), Chunk(seqs[1], 50, [4, MASK, MASK]), Chunk(None, 0, [MASK] * 3)]
+    plain, hybrid = (layout_for(chunks, 3, 3, 0, MAX_BLOCKS, state_slots=on) for on in (False, True))
+    assert hybrid.size == plain.size + 3 and hybrid.tables_at == hybrid.state_slots_at + 3 == plain.tables_at + 3
+    want, _ = reference(chunks, 3, 3, [])
+    packed = np.full(hybrid.size, 77, np.int32)
+    fill(packed, hybrid, chunks, BS, DUMMY)
+    np.testing.assert_array_equal(packed[:hybrid.state_slots_at], want[:plain.tables_at])
+    assert packed[hybrid.state_slots_at:hybrid.tables_at].tolist() == [5, 0, -1]
+    batch = StepTensors(hybrid, packed, packed.copy(), 60).verify_batch(NumpyBackend())
+    assert batch.state_slots.tolist() == batch.state_slots_device.tolist() == [5, 0, -1]
+    assert batch.meta.block_tables[:2, 0].tolist() == [s.block_table[0] for s in seqs]
+    assert StepTensors(plain, packed[:plain.size], packed[:plain.size], 60).verify_batch(NumpyBackend()) \
+        .state_slots is None

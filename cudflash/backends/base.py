@@ -138,16 +138,19 @@ class Backend(Protocol):
     # rows meta.cu_seqlens_q[s]..[s+1]-1 and the state slot slots[s] (int32 [n]; < 0: a padding sequence, skipped) of
     # the pools conv_states [S, C, K-1] and states [S, Hv, dk, dv] (float32). commit: write the state after the
     # sequence's last row into its slot; else leave the pools as they were (a verify: rollback keeps the old state).
+    # span (int32 [2, n] on the backend, or None: every row): sequence s runs only its span[1, s] rows from row
+    # cu[s] + span[0, s] on (within its own rows), the other rows' outputs are 0: the commit of a verify's accepted
+    # rows, read in place from the tape with the verify's own metadata (a CUDA graph replays it with new counts).
     # Depthwise causal conv over the rows of each sequence after its conv state, then SiLU: x [T, C], weight [C, K].
     def causal_conv1d(self, x: Any, weight: Any, conv_states: Any, slots: Any, meta: AttentionMeta,
-                      commit: bool) -> Any: ...
+                      commit: bool, span: Any | None = None) -> Any: ...
     # The gated delta rule over qkv [T, 2 Hk dk + Hv dv] (the conv's output: q | k | v), a, b [T, Hv], A_log, dt_bias
     # [Hv] (float32); returns o [T, Hv * dv] float32. Chunked (chunks of 64 rows: prefill) and token by token (decode,
     # verify) compute the same function.
     def gdn_chunked(self, qkv: Any, a: Any, b: Any, A_log: Any, dt_bias: Any, states: Any, slots: Any,
                     meta: AttentionMeta, commit: bool) -> Any: ...
     def gdn_recurrent(self, qkv: Any, a: Any, b: Any, A_log: Any, dt_bias: Any, states: Any, slots: Any,
-                      meta: AttentionMeta, commit: bool) -> Any: ...
+                      meta: AttentionMeta, commit: bool, span: Any | None = None) -> Any: ...
     # RMSNorm over each head_dim group of x [T, heads * head_dim], times weight [head_dim] (float32), times silu(z).
     def gated_rms_norm(self, x: Any, z: Any, weight: Any, eps: float, head_dim: int) -> Any: ...
     def sigmoid_gate(self, x: Any, gate: Any) -> Any: ...  # x * sigmoid(gate), both [T, W]

@@ -637,8 +637,8 @@ class CudaBackend:
 
     # ---- hybrid targets (Gated DeltaNet layers): kernels/gdn.cu through cuda_gdn.py
     def causal_conv1d(self, x: cupy.ndarray, weight: cupy.ndarray, conv_states: cupy.ndarray, slots: Any,
-                      meta: AttentionMeta, commit: bool) -> cupy.ndarray:
-        return cuda_gdn.causal_conv1d(x, weight, conv_states, slots, meta, commit, self.tuning)
+                      meta: AttentionMeta, commit: bool, span: cupy.ndarray | None = None) -> cupy.ndarray:
+        return cuda_gdn.causal_conv1d(x, weight, conv_states, slots, meta, commit, self.tuning, span)
 
     def gdn_chunked(self, qkv: cupy.ndarray, a: cupy.ndarray, b: cupy.ndarray, A_log: cupy.ndarray,
                     dt_bias: cupy.ndarray, states: cupy.ndarray, slots: Any, meta: AttentionMeta,
@@ -649,8 +649,9 @@ class CudaBackend:
 
     def gdn_recurrent(self, qkv: cupy.ndarray, a: cupy.ndarray, b: cupy.ndarray, A_log: cupy.ndarray,
                       dt_bias: cupy.ndarray, states: cupy.ndarray, slots: Any, meta: AttentionMeta,
-                      commit: bool) -> cupy.ndarray:
-        return cuda_gdn.gated_delta_rule(qkv, a, b, A_log, dt_bias, states, slots, meta, commit, self.tuning)
+                      commit: bool, span: cupy.ndarray | None = None) -> cupy.ndarray:
+        return cuda_gdn.gated_delta_rule(qkv, a, b, A_log, dt_bias, states, slots, meta, commit, self.tuning,
+                                         span)
 
     def gated_rms_norm(self, x: cupy.ndarray, z: cupy.ndarray, weight: cupy.ndarray, eps: float,
                        head_dim: int) -> cupy.ndarray:

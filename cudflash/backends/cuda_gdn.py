@@ -67,8 +67,8 @@ def _pool(x: cupy.ndarray, ndim: int, what: str) -> None:
 
 def _sequences(slots, meta: AttentionMeta) -> tuple[cupy.ndarray, cupy.ndarray, int, int, int]:
     """(slots int32 [n], cu_seqlens int32 [n + 1] on the device, n, the longest sequence's rows, the rows the
-    sequences cover). A meta that was not prepared (the model's commit builds one on the host) has its row offsets
-    uploaded here."""
+    sequences cover). A meta that was not prepared (one a caller built on the host alone) has its row offsets
+    uploaded here; the engine's metas are all prepared (a CUDA graph may record these ops)."""
     cu_host = np.asarray(meta.cu_seqlens_q)
     n = len(cu_host) - 1
     cu = meta.device.cu_seqlens if meta.device is not None else cupy.asarray(cu_host.astype(np.int32))
@@ -76,6 +76,18 @@ def _sequences(slots, meta: AttentionMeta) -> tuple[cupy.ndarray, cupy.ndarray, 
     if slots.shape != (n,):
         raise BackendError(f"cuda gdn: {slots.shape[0]} state slots for {n} sequences")
     return slots, cu, n, int(meta.max_q_len), int(cu_host[-1])
+
+
+def _span(span, slots: cupy.ndarray, n: int) -> tuple[cupy.ndarray, np.int32]:
+    """(the span array as the kernels take it, the `spanned` flag): span int32 [2, n] on the device (rows skipped |
+    rows run per sequence, gdn.cu's header), or None: every row, and the slots stand in for the pointer, unread."""
+    if span is None:
+        return slots, i32(0)
+    if not isinstance(span, cupy.ndarray) or span.dtype != cupy.int32 or span.shape != (2, n) \
+            or not span.flags.c_contiguous:
+        raise BackendError(f"cuda gdn: span must be a contiguous int32 [2, {n}] device array, got "
+                           f"{getattr(span, 'dtype', type(span))} {getattr(span, 'shape', '')}")
+    return span, i32(1)
 
 
 def _output(shape: tuple[int, int], covered: int) -> cupy.ndarray:
@@ -87,7 +99,7 @@ def _output(shape: tuple[int, int], covered: int) -> cupy.ndarray:
 
 
 def causal_conv1d(x: cupy.ndarray, weight: cupy.ndarray, conv_states: cupy.ndarray, slots, meta: AttentionMeta,
-                  commit: bool, tuning: CudaTuning) -> cupy.ndarray:
+                  commit: bool, tuning: CudaTuning, span: cupy.ndarray | None = None) -> cupy.ndarray:
     """See base.Backend.causal_conv1d: x [T, C] bf16 / float32, weight [C, K]; returns float32 [T, C]."""
     x, sx = _rows(x, "causal_conv1d x")
     t, c = x.shape
@@ -102,19 +114,21 @@ def causal_conv1d(x: cupy.ndarray, weight: cupy.ndarray, conv_states: cupy.ndarr
     if not weight.flags.c_contiguous:
         weight = cupy.ascontiguousarray(weight)
     slots, cu, n, max_rows, covered = _sequences(slots, meta)
+    span, spanned = _span(span, slots, n)
     out = _output((t, c), covered)
     if t and n and c:
         grid = (cdiv(c, CONV_THREADS), max(1, cdiv(max_rows, CONV_ROWS)), n)
         _kernel(f"causal_conv1d<{taps}, {_ctype(x)}, {_ctype(weight)}>", tuning)(
-            grid, (CONV_THREADS,), (x, i64(sx), weight, conv_states, slots, cu, out, i32(c), i32(int(commit))))
+            grid, (CONV_THREADS,), (x, i64(sx), weight, conv_states, slots, cu, span, spanned, out, i32(c),
+                                    i32(int(commit))))
     return out
 
 
 def gated_delta_rule(qkv: cupy.ndarray, a: cupy.ndarray, b: cupy.ndarray, A_log: cupy.ndarray,
                      dt_bias: cupy.ndarray, states: cupy.ndarray, slots, meta: AttentionMeta, commit: bool,
-                     tuning: CudaTuning) -> cupy.ndarray:
+                     tuning: CudaTuning, span: cupy.ndarray | None = None) -> cupy.ndarray:
     """base.Backend.gdn_recurrent (and, for now, gdn_chunked: the same kernel, token by token over each sequence);
-    returns o float32 [T, Hv * dv]."""
+    returns o float32 [T, Hv * dv]. span: see causal_conv1d (gdn.cu's header)."""
     _pool(states, 4, "gdn")
     _, hv, dk, dv = states.shape
     qkv, sq = _rows(qkv, "gdn qkv", float_only=True)
@@ -132,12 +146,13 @@ def gated_delta_rule(qkv: cupy.ndarray, a: cupy.ndarray, b: cupy.ndarray, A_log:
     if A_log.shape != (hv,) or dt_bias.shape != (hv,):
         raise BackendError(f"cuda gdn: A_log {A_log.shape} / dt_bias {dt_bias.shape}, expected ({hv},)")
     slots, cu, n, _, covered = _sequences(slots, meta)
+    span, spanned = _span(span, slots, n)
     out = _output((t, hv * dv), covered)
     if t and n:
         _kernel(f"gdn_recurrent<{dk}>", tuning)(
             (n, hv, cdiv(dv, GDN_TILE)), (GDN_THREADS,),
-            (qkv, i64(sq), a, i64(sa), b, i64(sb), A_log, dt_bias, states, slots, cu, out, i32(hk), i32(hv),
-             i32(dv), f32(float(np.float32(dk ** -0.5))), i32(int(commit))))
+            (qkv, i64(sq), a, i64(sa), b, i64(sb), A_log, dt_bias, states, slots, cu, span, spanned, out, i32(hk),
+             i32(hv), i32(dv), f32(float(np.float32(dk ** -0.5))), i32(int(commit))))
     return out
 
 

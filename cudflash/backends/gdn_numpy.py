@@ -55,14 +55,26 @@ def _l2norm(x: np.ndarray) -> np.ndarray:
     return x * (np.float32(1.0) / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + np.float32(L2_EPS)))
 
 
+def span_rows(cu_seqlens: np.ndarray, span: np.ndarray | None, s: int) -> tuple[int, int]:
+    """The rows [lo, hi) sequence s runs: all of cu[s] .. cu[s+1] - 1, or with `span` (int32 [2, n]: rows skipped,
+    rows run) the span[1, s] rows from cu[s] + span[0, s] on, which must lie within the sequence's rows."""
+    lo, hi = int(cu_seqlens[s]), int(cu_seqlens[s + 1])
+    if span is None:
+        return lo, hi
+    first, count = int(span[0, s]), int(span[1, s])
+    assert 0 <= first and 0 <= count and first + count <= hi - lo, (s, first, count, hi - lo)
+    return lo + first, lo + first + count
+
+
 def causal_conv1d(x: np.ndarray, weight: np.ndarray, conv_states: np.ndarray, slots: np.ndarray,
-                  cu_seqlens: np.ndarray, commit: bool) -> np.ndarray:
+                  cu_seqlens: np.ndarray, commit: bool, span: np.ndarray | None = None) -> np.ndarray:
     """y[t, c] = silu(sum_j weight[c, j] * xx[t + j, c]) with xx = [conv state of the sequence (K-1 rows, oldest
-    first); its rows of x]; commit: the state becomes the last K-1 rows of xx."""
+    first); its rows of x]; commit: the state becomes the last K-1 rows of xx. With `span` a sequence's rows are
+    only those span_rows names (a commit of a verify's accepted rows, read in place); the other rows of out are 0."""
     taps = weight.shape[1]
     out = np.zeros(x.shape, dtype=np.float32)
     for s, slot in enumerate(np.asarray(slots)):
-        lo, hi = int(cu_seqlens[s]), int(cu_seqlens[s + 1])
+        lo, hi = span_rows(cu_seqlens, span, s)
         if slot < 0 or hi == lo:
             continue
         xx = np.concatenate([conv_states[slot].T, x[lo:hi]], axis=0)  # [K-1 + L, C]
@@ -150,12 +162,12 @@ def chunked(q, k, v, beta, g, state: np.ndarray, chunk: int = GDN_CHUNK) -> tupl
 
 
 def gated_delta_rule(qkv, a, b, A_log, dt_bias, states: np.ndarray, slots, cu_seqlens, commit: bool,
-                     form) -> np.ndarray:
-    """Either form over a batch of sequences (base.Backend.gdn_chunked / gdn_recurrent)."""
+                     form, span: np.ndarray | None = None) -> np.ndarray:
+    """Either form over a batch of sequences (base.Backend.gdn_chunked / gdn_recurrent); `span` as causal_conv1d's."""
     _, hv, dk, dv = states.shape
     out = np.zeros((qkv.shape[0], hv * dv), dtype=np.float32)
     for s, slot in enumerate(np.asarray(slots)):
-        lo, hi = int(cu_seqlens[s]), int(cu_seqlens[s + 1])
+        lo, hi = span_rows(cu_seqlens, span, s)
         if slot < 0 or hi == lo:
             continue
         q, k, v, beta, g = _split(qkv[lo:hi], a[lo:hi], b[lo:hi], A_log, dt_bias, hv, dk, dv)

@@ -237,17 +237,17 @@ class NumpyBackend:
 
     # ---- hybrid targets (Gated DeltaNet): the definitions are in gdn_numpy.py
     def causal_conv1d(self, x: np.ndarray, weight: np.ndarray, conv_states: np.ndarray, slots: np.ndarray,
-                      meta: AttentionMeta, commit: bool) -> np.ndarray:
-        return gdn_numpy.causal_conv1d(x, weight, conv_states, slots, meta.cu_seqlens_q, commit)
+                      meta: AttentionMeta, commit: bool, span: np.ndarray | None = None) -> np.ndarray:
+        return gdn_numpy.causal_conv1d(x, weight, conv_states, slots, meta.cu_seqlens_q, commit, span)
 
     def gdn_chunked(self, qkv, a, b, A_log, dt_bias, states, slots, meta: AttentionMeta, commit: bool) -> np.ndarray:
         return gdn_numpy.gated_delta_rule(qkv, a, b, A_log, dt_bias, states, slots, meta.cu_seqlens_q, commit,
                                           gdn_numpy.chunked)
 
     def gdn_recurrent(self, qkv, a, b, A_log, dt_bias, states, slots, meta: AttentionMeta,
-                      commit: bool) -> np.ndarray:
+                      commit: bool, span: np.ndarray | None = None) -> np.ndarray:
         return gdn_numpy.gated_delta_rule(qkv, a, b, A_log, dt_bias, states, slots, meta.cu_seqlens_q, commit,
-                                          gdn_numpy.recurrent)
+                                          gdn_numpy.recurrent, span)
 
     def gated_rms_norm(self, x: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float,
                        head_dim: int) -> np.ndarray:

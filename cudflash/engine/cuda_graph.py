@@ -23,6 +23,15 @@ K/V only at the slot of position num_cached + 1 of its own sequences (scratch un
 whichever step computes that position before anything reads it), and anything that reuses those blocks later is
 ordered after it on the stream. The scheduler reserves that slot (Scheduler's lookahead).
 
+Hybrid (Gated DeltaNet) targets: the state slots are staged in the packed buffer too (padding sequences -1), and
+the verify graph leaves the states as they were and keeps its tape (models/hybrid.py). After acceptance a commit
+graph, recorded per captured step over that tape, advances each sequence's state by the rows it accepted: the counts
+travel as a span (int32 [2, n]: rows already committed | rows to commit) in one asynchronous copy from page-locked
+memory into a device buffer the graph reads. A commit crossing a prefix-cache block boundary is two replays with the
+snapshot copy between them (ModelRunner.commit_states), as op by op. Plain decoding does not run ahead on a hybrid:
+the queued step's verify would read a state the host has not yet committed, and a dropped one would be no harmless
+scratch write but a state advanced in place.
+
 Rules kept here: every buffer a graph touches is allocated before capture or during capture from a memory pool
 private to that step's graphs, and is kept alive with them (graphs of two steps sharing a pool overwrite each
 other's live outputs); each shape is run once eagerly before capture so that kernels are compiled and cuBLAS has
@@ -44,12 +53,14 @@ import cupy
 import numpy as np
 
 from cudflash.backends.cuda_attention import batch_bucket, context_bucket
+from cudflash.engine.model_runner import CommitRun
 from cudflash.engine.proposal import HeadOutputs, HeadRows, Proposal
 from cudflash.engine.scheduler import StepPlan
 from cudflash.engine.sequence import Sequence
 from cudflash.engine.spec_decode import StepPhases, Verified, decode_chunks, tree_chunk
 from cudflash.engine.step_inputs import Chunk, StepLayout, StepTensors, fill
 from cudflash.engine.tree import DraftTree, words_for
+from cudflash.models.hybrid import commit_span
 
 
 def pinned_int32(size: int) -> np.ndarray:
@@ -79,7 +90,10 @@ class StepBuffers:
     verify_ids: cupy.ndarray | None  # int32 [n q]: ids with the drafts in place of the masks (drafting only)
     rows: HeadRows | None  # the proposer's index rows (drafting only)
     host: list[HostSlot]  # two, used in turn
+    span: cupy.ndarray | None = None  # int32 [2, n]: the commit graphs' rows (hybrid targets only)
+    host_span: list[tuple[np.ndarray, cupy.cuda.Event]] = field(default_factory=list)  # [2, n] pinned, copied-out
     turn: int = 0
+    span_turn: int = 0
 
     @property
     def n(self) -> int:
@@ -88,6 +102,17 @@ class StepBuffers:
     @property
     def q(self) -> int:
         return self.layout.rows // self.layout.seqs
+
+    def take_span(self) -> np.ndarray:
+        """Page-locked memory for the next commit run's span (two, used in turn: a step's two runs are both pending
+        at once), once the copy out of it last time has landed; `span_copied` records that copy."""
+        host, copied = self.host_span[self.span_turn]
+        copied.synchronize()
+        return host
+
+    def span_copied(self, stream: cupy.cuda.Stream) -> None:
+        self.host_span[self.span_turn][1].record(stream)
+        self.span_turn ^= 1
 
     def take_slot(self) -> HostSlot:
         """The next host slot, once the last step that used it has copied its outputs back."""
@@ -106,6 +131,7 @@ class CapturedStep:
     propose_graph: Any | None  # cupy.cuda.Graph of StepPhases.propose (drafting only)
     verify_graph: Any | None  # cupy.cuda.Graph of StepPhases.verify (None: a draft tree's block, proposed only)
     context_graph: Any | None  # cupy.cuda.Graph of StepPhases.commit_context (drafting only)
+    commit_graph: Any | None  # cupy.cuda.Graph of StepPhases.commit_states over the verify's tape (hybrid only)
     head_out: HeadOutputs | None  # the propose graph's outputs
     targets: cupy.ndarray | None  # int32 [n q]: argmax of every verify row
     logits: cupy.ndarray | None  # float32 [n q, V]
@@ -118,7 +144,7 @@ class CapturedStep:
 
     def release(self) -> None:
         """Drop the graphs and everything they reference, then hand the pool's memory back to the device."""
-        self.propose_graph = self.verify_graph = self.context_graph = None
+        self.propose_graph = self.verify_graph = self.context_graph = self.commit_graph = None
         self.head_out = self.targets = self.logits = None
         self.keep.clear()
         self.pool.free_all_blocks()
@@ -155,7 +181,9 @@ class StepGraphs:
         self.buffers: dict[tuple[int, int, int], StepBuffers] = {}  # (n, q, tree words)
         self.steps: OrderedDict[tuple, CapturedStep] = OrderedDict()  # LRU first; keys: StepGraphs._step_for
         self.num_captures = 0
-        self.pipeline = run_ahead  # plain decoding queues the next step before waiting for this one
+        self.hybrid = runner.hybrid
+        # Plain decoding queues the next step before waiting for this one; never on a hybrid (module docstring).
+        self.pipeline = run_ahead and not self.hybrid
         self.pending: Staged | None = None  # the step queued ahead
         self.num_run_ahead = 0  # decode steps that found themselves already queued
         self.num_replays = 0  # steps whose verification replayed a graph
@@ -181,12 +209,18 @@ class StepGraphs:
     def _buffers(self, n: int, q: int, drafting: bool, tree_words: int = 0) -> StepBuffers:
         key = (n, q, tree_words)
         if key not in self.buffers:
-            layout = StepLayout(n * q, n, n if drafting else 0, q if drafting else 0, 0, self.max_blocks, tree_words)
+            layout = StepLayout(n * q, n, n if drafting else 0, q if drafting else 0, 0, self.max_blocks, tree_words,
+                                state_slots=self.hybrid)
             slots = [HostSlot(pinned_int32(layout.size), pinned_int32(2 * n * q), pinned_int32(n * q),
                               cupy.cuda.Event(disable_timing=True)) for _ in range(2)]
-            self.buffers[key] = StepBuffers(layout, cupy.zeros(layout.size, dtype=cupy.int32),
-                                            cupy.zeros(n * q, dtype=cupy.int32) if drafting else None,
-                                            self.phases.head_rows(n, q) if drafting else None, slots)
+            buf = StepBuffers(layout, cupy.zeros(layout.size, dtype=cupy.int32),
+                              cupy.zeros(n * q, dtype=cupy.int32) if drafting else None,
+                              self.phases.head_rows(n, q) if drafting else None, slots)
+            if self.hybrid:
+                buf.span = cupy.zeros((2, n), dtype=cupy.int32)
+                buf.host_span = [(pinned_int32(2 * n).reshape(2, n), cupy.cuda.Event(disable_timing=True))
+                                 for _ in range(2)]
+            self.buffers[key] = buf
         return self.buffers[key]
 
     def _stage(self, seqs: list[Sequence], q: int, mask: int, drafting: bool, ahead: int = 0) -> Staged:
@@ -249,16 +283,22 @@ class StepGraphs:
         # memory with each other, but never with another step's graphs (whose outputs stay alive).
         pool = cupy.cuda.MemoryPool()
         with cupy.cuda.using_allocator(pool.malloc):
-            propose_graph = head_out = context_graph = verify_graph = targets = logits = taps = None
+            propose_graph = head_out = context_graph = verify_graph = commit_graph = targets = logits = taps = None
+            tape = None
             if drafting:
                 propose_graph, head_out = self._graph(p.propose, inp)
             if "verify" in parts:
                 verify_graph, (targets, logits, taps) = self._graph(p.verify, inp, taps_wanted)
+                tape, p.runner.tape = p.runner.tape, None  # the captured forward's: only the commit graph reads it
             if taps is not None:
                 context_graph, _ = self._graph(p.commit_context, inp, taps)
+            if tape is not None:
+                # The warm-up run before the capture commits nothing: every count of the span is 0.
+                buf.span.fill(0)
+                commit_graph, _ = self._graph(p.commit_states, inp, tape, buf.span)
         self.num_captures += 1
-        return CapturedStep(propose_graph, verify_graph, context_graph, head_out, targets, logits, pool,
-                            keep=[taps, inp])
+        return CapturedStep(propose_graph, verify_graph, context_graph, commit_graph, head_out, targets, logits,
+                            pool, keep=[taps, inp, tape])
 
     def _step_for(self, buf: StepBuffers, slot: HostSlot, ctx_bucket: int, parts: tuple[str, ...]) -> CapturedStep:
         """The captured step of this shape, captured now if new (evicting the least recently used past the bound)."""
@@ -316,6 +356,23 @@ class StepGraphs:
             self._copy(st.buf.verify_ids, st.slot.host_out[nq:2 * nq], cupy.cuda.runtime.memcpyDeviceToHost)
         st.slot.done.record(self.stream)
         st.launched = True
+
+    # ---- the hybrid commit after acceptance (module docstring)
+    def commit_run(self, st: Staged) -> CommitRun | None:
+        """How ModelRunner.commit_states runs this step's commit: replays of its commit graph (None: not hybrid)."""
+        if st.step.commit_graph is None:
+            return None
+        return lambda done, count: self._commit(st, done, count)
+
+    def _commit(self, st: Staged, done: list[int], count: list[int]) -> None:
+        """One commit run: per sequence of the batch, `count` rows after the first `done` of its verify rows (the
+        padding sequences none), staged with one copy, then the commit graph."""
+        buf = st.buf
+        host = buf.take_span()
+        host[...] = commit_span(np.arange(buf.n + 1) * buf.q, done, [d + c for d, c in zip(done, count)])
+        self._copy(host, buf.span, cupy.cuda.runtime.memcpyHostToDevice)
+        buf.span_copied(self.stream)
+        st.step.commit_graph.launch(self.stream)
 
     # ---- plain decoding, one step ahead (module docstring)
     def _can_run_ahead(self, seqs: list[Sequence]) -> bool:

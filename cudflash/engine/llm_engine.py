@@ -116,8 +116,7 @@ class LLM:
                                   tensor_parallel_size=check_tensor_parallel(tensor_parallel_size, self.backend))
         self.runner.blocks.enable_prefix_caching = enable_prefix_caching
         proposer = make_proposer(self.runner, self.draft_options) if self.runner.draft is not None else None
-        # A hybrid's step runs op by op for now: its commit stages row offsets from the host (cuda_gdn.py).
-        graphs = self.backend.name == "cuda" and not enforce_eager and self.target_cfg.hybrid is None
+        graphs = self.backend.name == "cuda" and not enforce_eager
         self.engine = self._make_step(proposer, graphs=graphs)
         # Plain decoding replayed from graphs queues each next step ahead: it needs a slot one position further on.
         ahead = self.engine.graphs is not None and self.engine.graphs.pipeline and self.block_size == 1

@@ -22,7 +22,7 @@ from cudflash.errors import BackendError, ConfigError
 from cudflash.models.batch import ForwardBatch, KVCache
 from cudflash.engine.state_pool import HybridBlockManager, StateSlots
 from cudflash.models.dflash import DFlashDraftModel
-from cudflash.models.hybrid import GDNTape, HybridCache, HybridTargetModel, state_use
+from cudflash.models.hybrid import GDNTape, HybridCache, HybridTargetModel, commit_span, state_use
 from cudflash.models.target import TargetModel
 from cudflash.models.weights import RandomWeights, WeightLoader, WeightMemory
 from cudflash.parallel.engine_target import TensorParallelTarget
@@ -72,6 +72,11 @@ def _loader(ckpt: Checkpoint, backend: Backend, label: str, progress: bool, chec
     total = sum(ckpt.info(n).nbytes for n in ckpt.names)
     return WeightLoader(ckpt, backend, progress=LoadProgress(label, total, progress), check_weights=check_weights,
                         quant=quant, quantize=quantize)
+
+
+# One run of a hybrid commit: (rows already committed, rows to commit now) per sequence of the last verify, host
+# lists in that forward's order (ModelRunner.commit_states makes one or two runs per step).
+CommitRun = Callable[[list[int], list[int]], None]
 
 
 class ModelRunner:
@@ -184,7 +189,7 @@ class ModelRunner:
     def batch(self, seqs: list[Sequence], ids: list[list[int]], starts: list[int]) -> ForwardBatch:
         """Rows ids[i] of seqs[i] at positions starts[i].. ; keys visible up to the last of those positions."""
         chunks = [Chunk(s, start, list(x)) for s, start, x in zip(seqs, starts, ids)]
-        layout = layout_for(chunks, 0, 0, 0, self.max_blocks)
+        layout = layout_for(chunks, 0, 0, 0, self.max_blocks, state_slots=self.hybrid)
         host = np.empty(layout.size, dtype=np.int32)
         longest = fill(host, layout, chunks, self.blocks.block_size, self.dummy_block)
         return StepTensors(layout, host, self.backend.asarray(host, "i32"), longest).verify_batch(self.backend)
@@ -195,21 +200,42 @@ class ModelRunner:
         if not self.hybrid:
             return self.target.forward(batch, self.target_kv, taps)
         assert batch.state_slots is not None, "a hybrid target's batch names each sequence's state slot"
-        use = state_use(self.backend, batch.state_slots, batch.meta.cu_seqlens_q, batch.chunked_seqs, False)
+        use = state_use(self.backend, batch.state_slots, batch.meta.cu_seqlens_q, batch.chunked_seqs, False,
+                        batch.state_slots_device)
         hidden, taps_out, self.tape = self.target.forward(batch, self.cache, use, taps)
         self.tape_slots = use.slots
         return hidden, taps_out
 
-    def commit_states(self, seqs: list[Sequence], accepted: list[int | None], before: list[int]) -> None:
+    def commit_tape(self, tape: GDNTape, slots: Any, span: Any) -> None:
+        """Advance the GDN states of a verify's sequences (slots int32 [n] on the backend) by the tape's rows in span
+        (int32 [2, n] on the backend: rows already committed | rows to commit; HybridTargetModel.commit_span)."""
+        self.target.commit_span(tape, self.cache, slots, span)
+
+    def _eager_commit(self, tape: GDNTape | None, slots: Any) -> CommitRun | None:
+        """The CommitRun of the last forward's tape, op by op (None: that forward kept no tape)."""
+        if tape is None:
+            return None
+        cu = tape.meta.cu_seqlens_q
+
+        def run(done: list[int], count: list[int]) -> None:
+            span = commit_span(cu, done, [d + c for d, c in zip(done, count)])
+            self.commit_tape(tape, slots, self.backend.asarray(span, "i32"))
+        return run
+
+    def commit_states(self, seqs: list[Sequence], accepted: list[int | None], before: list[int],
+                      run: CommitRun | None = None) -> None:
         """After acceptance, on a hybrid target (else nothing to do). `seqs`: the last target forward's sequences in
         its order; accepted[i]: how many of sequence i's verify rows it committed (the pending token and the accepted
         drafts; 0 if it emitted nothing), or None for a prefill chunk, which committed its rows in the forward;
         before[i]: its committed length before the step. The GDN states advance by those rows; where the committed
         length passed a block boundary whose block is now hashed, the state there becomes a snapshot (a verify's
-        rows are committed in two runs, up to the boundary and after it; a prefill chunk must end on it)."""
+        rows are committed in two runs, up to the boundary and after it; a prefill chunk must end on it).
+        run: how a run of the commit executes (a CUDA graph's replay of that forward's commit); None: op by op on the
+        last forward's tape."""
         if not self.hybrid:
             return
         tape, self.tape = self.tape, None
+        run = run or self._eager_commit(tape, self.tape_slots)
         blocks: HybridBlockManager = self.blocks  # type: ignore[assignment]
         rows = [n or 0 for n in accepted]
         upto, snaps = list(rows), []
@@ -219,11 +245,12 @@ class ModelRunner:
                 continue
             snaps.append((blocks.block_hash(s, boundary), s.state_slot))
             upto[i] = 0 if n is None else boundary - start
-        if tape is not None:
-            self.target.commit(tape, self.cache, self.tape_slots, upto)
+        if run is not None and any(upto):
+            run([0] * len(rows), upto)
         self.states.take(snaps)
-        if tape is not None and upto != rows:
-            self.target.commit(tape, self.cache, self.tape_slots, rows, done=upto)
+        rest = [n - u for n, u in zip(rows, upto)]
+        if run is not None and any(rest):
+            run(upto, rest)
 
     def _copy_states(self, src: list[int], dst: list[int]) -> None:
         """Every GDN layer's conv and recurrent state from slots src to slots dst (state_pool.CopyStates)."""

@@ -10,10 +10,11 @@ Per decoding sequence with L committed tokens and a pending token t:
    target, the GDN states (which the verify left as they were) advance by the committed rows
    (ModelRunner.commit_states).
 
-The phases' device work is three methods, `propose`, `verify` and `commit_context`: the eager path calls them on
-freshly staged inputs, and a CUDA graph (cuda_graph.py) records exactly those calls over static inputs and replays
-them. Both stage through step_inputs.fill. `run` is the one sequence of phases; `Eager` and `cuda_graph.StepGraphs`
-say only how each phase executes.
+The phases' device work is three methods, `propose`, `verify` and `commit_context` (and, on a hybrid target, the
+state commit after acceptance, `commit_states`): the eager path calls them on freshly staged inputs, and a CUDA graph
+(cuda_graph.py) records exactly those calls over static inputs and replays them. Both stage through
+step_inputs.fill. `run` is the one sequence of phases; `Eager` and `cuda_graph.StepGraphs` say only how each phase
+executes.
 
 Which rows update the drafter's context: every row of the target forward, before acceptance (`commit_context`).
 The drafter's context K/V at a position is a function of the target's tap at that position alone, so the committed
@@ -33,7 +34,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from cudflash.engine.model_runner import ModelRunner
+from cudflash.engine.model_runner import CommitRun, ModelRunner
 from cudflash.engine.proposal import HeadOutputs, HeadRows, Proposal, head_rows
 from cudflash.engine.propose import Proposer
 from cudflash.engine.sampler import VerifyGroup, verify_tokens
@@ -124,6 +125,12 @@ class StepPhases:
         """The drafter's context from every row of the target forward (the rule in the module docstring)."""
         self.runner.draft_context(taps, inp.verify_batch(self.b))
 
+    def commit_states(self, inp: StepTensors, tape: Any, span: Any) -> None:
+        """Hybrid targets: the GDN states of the verified sequences advance by the tape's rows in span (int32 [2, n]
+        on the backend; ModelRunner.commit_tape). The eager path reaches the same call through
+        ModelRunner.commit_states; a CUDA graph records this one and replays it with the counts acceptance gives."""
+        self.runner.commit_tape(tape, inp.state_slots_device, span)
+
 
 class Executor(Protocol):
     """How each phase of `SpeculativeStep.run` executes: `Eager`, or replays (cuda_graph.StepGraphs)."""
@@ -132,6 +139,8 @@ class Executor(Protocol):
     def propose(self, staged: Any) -> HeadOutputs: ...
     def stage_drafts(self, staged: Any, plan: StepPlan, proposal: Proposal) -> Any: ...
     def verify(self, staged: Any, speculative: bool, read_drafts: bool) -> Verified: ...
+    # How the hybrid commit after acceptance runs for this step (None: the runner's op-by-op commit of its tape).
+    def commit_run(self, staged: Any) -> CommitRun | None: ...
 
 
 class GraphExecutor(Executor, Protocol):
@@ -178,7 +187,7 @@ class SpeculativeStep:
             empty = np.zeros(0, dtype=np.int64)
             proposal = Proposal(list(out.drafts) if out.drafts is not None else [empty] * len(decodes))
         first, emitted = self.accept(plan, out, proposal)
-        self.commit(plan, first, emitted)
+        self.commit(plan, first, emitted, exe.commit_run(staged))
         mark("accept")
 
     def accept(self, plan: StepPlan, out: Verified, proposal: Proposal) -> tuple[list, list[list[int]]]:
@@ -217,9 +226,10 @@ class SpeculativeStep:
             for cache in (r.target_kv.k, r.target_kv.v, r.draft_kv.k, r.draft_kv.v):
                 self.b.copy_slots(cache, src_i, dst_i)
 
-    def commit(self, plan: StepPlan, first: list, emitted: list[list[int]]) -> None:
+    def commit(self, plan: StepPlan, first: list, emitted: list[list[int]], run: CommitRun | None = None) -> None:
         """The accepted tokens become committed; a sequence that emitted nothing (non-finite logits) finishes with
-        an error, and its K/V of this step is never offered to the prefix cache."""
+        an error, and its K/V of this step is never offered to the prefix cache. run: how the hybrid state commit
+        executes (ModelRunner.commit_states)."""
         blocks = self.runner.blocks
         seqs = [s for s, _ in plan.prefills] + plan.decodes  # the verify batch's order
         before = [s.num_cached for s in seqs]
@@ -244,7 +254,7 @@ class SpeculativeStep:
             blocks.hash_committed(s)
         # Hybrid targets: the verified sequences' GDN states advance by the rows they committed (prefill chunks
         # committed theirs in the forward), and states at the block boundaries passed become snapshots.
-        self.runner.commit_states(seqs, [None] * len(plan.prefills) + [len(t) for t in emitted], before)
+        self.runner.commit_states(seqs, [None] * len(plan.prefills) + [len(t) for t in emitted], before, run)
 
 
 class Eager:
@@ -271,11 +281,10 @@ class Eager:
         chunks, every = prefill + decode, not prefill
         r = self.runner
         layout = layout_for(chunks, len(decode) if drafting else 0, q if drafting else 0,
-                            0 if every else len(score_rows), r.max_blocks)
+                            0 if every else len(score_rows), r.max_blocks, state_slots=r.hybrid)
         host = np.empty(layout.size, dtype=np.int32)
         longest = fill(host, layout, chunks, r.blocks.block_size, r.dummy_block, () if every else score_rows)
         inp = StepTensors(layout, host, self.b.asarray(host, "i32"), longest, score_first=score_first,
-                          state_slots=np.array([c.seq.state_slot for c in chunks], dtype=np.int32),
                           chunked_seqs=len(prefill))
         if drafting:
             inp.verify_ids = self.b.zeros((layout.rows,), "i32")
@@ -300,6 +309,9 @@ class Eager:
             decode = [Chunk(s, s.num_cached, [s.last_token] + [int(t) for t in d])
                       for s, d in zip(plan.decodes, proposal.drafts)]
         return self._stage(plan, decode, False, 0)
+
+    def commit_run(self, inp: StepTensors) -> CommitRun | None:
+        return None  # the runner commits its last forward's tape op by op
 
     def verify(self, inp: StepTensors, speculative: bool, read_drafts: bool) -> Verified:
         targets, logits, taps = self.phases.verify(inp, speculative)

@@ -15,10 +15,12 @@ Layout (`StepLayout`), int32, T rows, n sequences, the last nd of them decoding 
   score_rows [R]              rows whose logits are needed; present unless every row's are (R = 0)
   tree_seq   [n]              1 for a sequence whose rows are a draft tree; present with tree masks (W > 0)
   tree_mask  [T, W]           per row, bit j: the row sees its chunk's row j (engine/tree.py); present when W > 0
+  state_slot [n]              each sequence's GDN state slot, -1 for a padding sequence; present for a hybrid target
+                              (its forward and its commit, replayed from CUDA graphs too, read them from here)
   tables     [n, max_blocks]  block tables; entries past a sequence's own blocks are left as they were (attention
                               reads the blocks of positions below the context only)
-A padding sequence (a CUDA graph's batch bucket) has mask ids, positions 0 .. q - 1, slots -1, context q and the
-dummy block first in its table: it reads only the dummy block and writes nothing.
+A padding sequence (a CUDA graph's batch bucket) has mask ids, positions 0 .. q - 1, slots -1, context q, the
+dummy block first in its table and state slot -1: it reads only the dummy block and writes nothing.
 """
 from __future__ import annotations
 
@@ -50,14 +52,19 @@ class StepLayout:
     score_rows: int  # R; 0: every row is scored
     max_blocks: int
     tree_words: int = 0  # W: int32 words of a tree row's mask; 0: no tree in the batch
+    state_slots: bool = False  # the state_slot field is present (a hybrid target's batch)
 
     @property
     def draft_rows(self) -> int:
         return self.decodes * self.q
 
     @property
-    def tables_at(self) -> int:
+    def state_slots_at(self) -> int:
         return self.tree_mask_at + self.rows * self.tree_words
+
+    @property
+    def tables_at(self) -> int:
+        return self.state_slots_at + (self.seqs if self.state_slots else 0)
 
     @property
     def tree_seq_at(self) -> int:
@@ -124,6 +131,9 @@ def fill(packed: np.ndarray, layout: StepLayout, chunks: Seq[Chunk], block_size:
         masks = packed[layout.tree_mask_at:layout.tables_at].reshape(layout.rows, layout.tree_words)
         for c, lo, hi in zip(chunks, cu, cu[1:]):
             masks[lo:hi] = c.tree_mask if c.tree_mask is not None else 0
+    if layout.state_slots:
+        packed[layout.state_slots_at:layout.tables_at] = [c.seq.state_slot if c.seq is not None else -1
+                                                          for c in chunks]
     return max(ctx)
 
 
@@ -139,7 +149,6 @@ class StepTensors:
     verify_ids: Any = None  # int32 [T]: ids with the drafts in place of the masks (a drafting step), else ids
     rows: HeadRows | None = None  # the drafter heads' index rows of the decode blocks (a drafting step)
     score_first: list[int] | None = None  # per sequence: the index of its first scored row among the logits rows
-    state_slots: np.ndarray | None = None  # int32 [n] host: each sequence's GDN state slot (hybrid targets)
     chunked_seqs: int = 0  # leading sequences that are prefill chunks (the rest decode)
     _verify: ForwardBatch | None = field(default=None, repr=False)  # verify_batch, once built
 
@@ -161,6 +170,10 @@ class StepTensors:
         if self.verify_ids is None:
             self.verify_ids = self.ids
         self.score_rows = self._view(self.device, "score_rows") if self.layout.score_rows else None
+        # Hybrid targets: each sequence's GDN state slot, int32 [n] on the host and on the backend (None: no field)
+        states = slice(self.layout.state_slots_at, self.layout.tables_at)
+        self.state_slots = self.host[states] if self.layout.state_slots else None
+        self.state_slots_device = self.device[states] if self.layout.state_slots else None
 
     def meta(self, backend: Any, drafter: bool = False) -> AttentionMeta:
         """The attention metadata of the whole batch, or of the decode rows alone (`drafter`)."""
@@ -182,7 +195,7 @@ class StepTensors:
         """The target's batch (verify and commit_context both read it: built once)."""
         if self._verify is None:
             self._verify = ForwardBatch(self.verify_ids, self.positions, self.slots, self.meta(backend),
-                                        self.state_slots, self.chunked_seqs)
+                                        self.state_slots, self.chunked_seqs, self.state_slots_device)
         return self._verify
 
     def draft_batch(self, backend: Any) -> ForwardBatch:
@@ -190,6 +203,8 @@ class StepTensors:
         return ForwardBatch(self.ids[t:], self.positions[t:], self.slots[t:], self.meta(backend, drafter=True))
 
 
-def layout_for(chunks: Seq[Chunk], decodes: int, q: int, score_rows: int, max_blocks: int) -> StepLayout:
+def layout_for(chunks: Seq[Chunk], decodes: int, q: int, score_rows: int, max_blocks: int,
+               state_slots: bool = False) -> StepLayout:
     words = max((c.tree_mask.shape[1] for c in chunks if c.tree_mask is not None), default=0)
-    return StepLayout(sum(len(c.ids) for c in chunks), len(chunks), decodes, q, score_rows, max_blocks, words)
+    return StepLayout(sum(len(c.ids) for c in chunks), len(chunks), decodes, q, score_rows, max_blocks, words,
+                      state_slots)

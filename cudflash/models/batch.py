@@ -19,6 +19,7 @@ class ForwardBatch:
     # prefill chunks (they commit their states in the forward; the others are verified and commit after acceptance).
     state_slots: np.ndarray | None = None
     chunked_seqs: int = 0
+    state_slots_device: Any = None  # int32 [n]: state_slots on the backend (staged with the step), or None
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from cudflash.backends.base import Backend, build_meta
+from cudflash.backends.base import Backend
 from cudflash.checkpoint import Checkpoint
 from cudflash.config import TargetConfig
 from cudflash.hybrid_config import LINEAR
@@ -93,12 +93,14 @@ class StateUse:
         return self.recurrent_slots is not None and not self.commit_recurrent
 
 
-def state_use(b: Backend, slots: np.ndarray, cu_seqlens: np.ndarray, chunked: int, commit_recurrent: bool) -> StateUse:
+def state_use(b: Backend, slots: np.ndarray, cu_seqlens: np.ndarray, chunked: int, commit_recurrent: bool,
+              on_device: Any | None = None) -> StateUse:
     """StateUse of a batch whose first `chunked` of n sequences (host slots int32 [n], row ranges cu [n + 1]) are
-    prefill chunks."""
+    prefill chunks. on_device: the same slots on the backend already (staged with the step's inputs), else they are
+    uploaded here. A batch of one kind uploads nothing more, so a CUDA graph may record its forward."""
     slots = np.asarray(slots, dtype=np.int32)
     n = len(slots)
-    every = b.asarray(slots, "i32")
+    every = on_device if on_device is not None else b.asarray(slots, "i32")
 
     def only(lo: int, hi: int) -> Any:
         if lo == hi:
@@ -110,6 +112,20 @@ def state_use(b: Backend, slots: np.ndarray, cu_seqlens: np.ndarray, chunked: in
         return b.asarray(masked, "i32")
 
     return StateUse(every, only(0, chunked), only(chunked, n), int(cu_seqlens[chunked]), commit_recurrent)
+
+
+def commit_span(cu_seqlens: np.ndarray, done: list[int], accepted: list[int]) -> np.ndarray:
+    """int32 [2, n] host: per sequence of a verify of n sequences (row ranges cu [n + 1]), the rows already committed
+    (done[s]) and the rows to commit now (accepted[s] - done[s]): HybridTargetModel.commit_span's input. done and
+    accepted name the first m <= n sequences; the others (a CUDA graph's padding) commit nothing."""
+    m, n = len(accepted), len(cu_seqlens) - 1
+    assert len(done) == m <= n, (len(done), m, n)
+    assert all(0 <= d <= a <= cu_seqlens[s + 1] - cu_seqlens[s] for s, (d, a) in enumerate(zip(done, accepted))), \
+        (done, accepted, cu_seqlens)
+    span = np.zeros((2, n), dtype=np.int32)
+    span[0, :m] = done
+    span[1, :m] = np.asarray(accepted) - np.asarray(done, dtype=np.int64)
+    return span
 
 
 def mode_use(b: Backend, slots: np.ndarray, cu_seqlens: np.ndarray, mode: str) -> StateUse:
@@ -279,33 +295,34 @@ class HybridTargetModel:
         return b.gated_rms_norm(o, proj[:, C: C + vd], layer.norm, self.cfg.rms_norm_eps, h.linear_value_head_dim)
 
     def _delta_rule(self, layer: GDNLayer, proj: Any, cache: HybridCache, j: int, slots: Any, meta: Any, gdn: Any,
-                    commit: bool) -> Any:
-        """conv + the gated delta rule of GDN layer j for the sequences with a slot in `slots`: o [T, Hv dv]."""
+                    commit: bool, span: Any | None = None) -> Any:
+        """conv + the gated delta rule of GDN layer j for the sequences with a slot in `slots` (over their rows in
+        `span` only, if given: gdn_recurrent's): o [T, Hv dv]."""
         h = self.h
         C, vd, hv = h.conv_dim, h.value_dim, h.linear_num_value_heads
-        qkv = self.b.causal_conv1d(proj[:, :C], layer.conv, cache.conv[j], slots, meta, commit)
+        spanned = {} if span is None else {"span": span}  # gdn_chunked takes no span: only a commit passes one
+        qkv = self.b.causal_conv1d(proj[:, :C], layer.conv, cache.conv[j], slots, meta, commit, **spanned)
         return gdn(qkv, proj[:, C + vd + hv:], proj[:, C + vd: C + vd + hv], layer.A_log, layer.dt_bias,
-                   cache.states[j], slots, meta, commit)
+                   cache.states[j], slots, meta, commit, **spanned)
 
     def commit(self, tape: GDNTape, cache: HybridCache, state_slots: Any, accepted: list[int],
                done: list[int] | None = None) -> None:
         """After a verify: advance each sequence's conv and recurrent states by its verify rows done[s] ..
         accepted[s] - 1 (the pending token and the accepted drafts, less the first done[s] already committed),
         re-running them from the states the verify left untouched. state_slots: the verify's, int32 [n]."""
-        b = self.b
-        cu = tape.meta.cu_seqlens_q
         done = done or [0] * len(accepted)
-        assert len(accepted) == len(done) == len(cu) - 1
-        assert all(0 <= d <= n <= cu[s + 1] - cu[s] for s, (d, n) in enumerate(zip(done, accepted)))
-        counts = [n - d for n, d in zip(accepted, done)]
-        if not any(counts):
-            return
-        keep = np.concatenate([np.arange(cu[s] + d, cu[s] + n) for s, (d, n) in enumerate(zip(done, accepted))])
-        meta = build_meta(counts, counts, [[0]] * len(counts))  # the row ranges are all the ops read
-        rows = b.asarray(keep.astype(np.int32), "i32")
+        span = commit_span(tape.meta.cu_seqlens_q, done, accepted)
+        if span[1].any():
+            self.commit_span(tape, cache, state_slots, self.b.asarray(span, "i32"))
+
+    def commit_span(self, tape: GDNTape, cache: HybridCache, state_slots: Any, span: Any) -> None:
+        """`commit` with the rows given on the backend: span int32 [2, n] (rows already committed | rows to commit,
+        per sequence of the verify; base.Backend.causal_conv1d). The tape's rows are read in place under the
+        verify's own metadata, so nothing here depends on host values of this step: a CUDA graph records it once
+        and replays it with new counts. A count of 0 leaves that sequence's state as it is."""
         gdn_layers = [layer for layer in self.layers if isinstance(layer, GDNLayer)]
         for j, (layer, proj) in enumerate(zip(gdn_layers, tape.rows)):
-            self._delta_rule(layer, b.take_rows(proj, rows), cache, j, state_slots, meta, b.gdn_recurrent, True)
+            self._delta_rule(layer, proj, cache, j, state_slots, tape.meta, self.b.gdn_recurrent, True, span)
 
     def logits(self, hidden: Any) -> Any:
         return self.b.linear(hidden, self.lm_head, out_f32=True)  # float32 logits: no bf16 ties at argmax
