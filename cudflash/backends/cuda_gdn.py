@@ -23,7 +23,7 @@ CONV_THREADS = 128
 GDN_TILE = 32  # GDN_TILE
 GDN_THREADS = 128  # GDN_WARPS x 32
 CONV_TAPS = (2, 3, 4)  # conv kernel sizes compiled
-KEY_DIMS = (16, 32, 64, 128, 256)  # dk compiled
+KEY_DIMS = (16, 32, 48, 64, 128, 256)  # dk compiled (a multiple of GDN_WARPS)
 _TYPES = ("bf16", "float")
 NAMES = (tuple(f"causal_conv1d<{k}, {x}, {w}>" for k in CONV_TAPS for x in _TYPES for w in _TYPES)
          + tuple(f"gdn_recurrent<{d}>" for d in KEY_DIMS)

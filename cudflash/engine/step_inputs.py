@@ -20,7 +20,9 @@ Layout (`StepLayout`), int32, T rows, n sequences, the last nd of them decoding 
   tables     [n, max_blocks]  block tables; entries past a sequence's own blocks are left as they were (attention
                               reads the blocks of positions below the context only)
 A padding sequence (a CUDA graph's batch bucket) has mask ids, positions 0 .. q - 1, slots -1, context q, the
-dummy block first in its table and state slot -1: it reads only the dummy block and writes nothing.
+dummy block in every table entry its q keys span (a padded draft tree's width crosses blocks; the staging memory is
+reused, so entries not written hold another step's block ids) and state slot -1: it reads only the dummy block and
+writes nothing.
 """
 from __future__ import annotations
 
