@@ -14,7 +14,7 @@ from typing import Any
 import cupy
 import numpy as np
 
-from cudflash.backends import cuda_gdn, fp8_weight, kernel_loader, stream_gemm
+from cudflash.backends import cuda_gdn, cuda_gdn_chunk, fp8_weight, kernel_loader, stream_gemm
 from cudflash.backends.base import AttentionMeta, DeferredNorm
 from cudflash.backends.cublas import Cublas
 from cudflash.backends.cuda_attention import attention as _attention
@@ -643,8 +643,11 @@ class CudaBackend:
     def gdn_chunked(self, qkv: cupy.ndarray, a: cupy.ndarray, b: cupy.ndarray, A_log: cupy.ndarray,
                     dt_bias: cupy.ndarray, states: cupy.ndarray, slots: Any, meta: AttentionMeta,
                     commit: bool) -> cupy.ndarray:
-        # The same function as gdn_recurrent (base.py); for now the same kernel too, token by token within each
-        # sequence. The tensor-core chunked (WY) form is not written yet.
+        # The same function as gdn_recurrent (base.py): the tensor-core chunked (WY) kernels of gdn_chunk.cu where
+        # a sequence is long enough for them to gain and the head dims are compiled, else the recurrent kernel.
+        if cuda_gdn_chunk.use_chunked(states, meta):
+            return cuda_gdn_chunk.gated_delta_rule(qkv, a, b, A_log, dt_bias, states, slots, meta, commit,
+                                                   self.tuning)
         return cuda_gdn.gated_delta_rule(qkv, a, b, A_log, dt_bias, states, slots, meta, commit, self.tuning)
 
     def gdn_recurrent(self, qkv: cupy.ndarray, a: cupy.ndarray, b: cupy.ndarray, A_log: cupy.ndarray,
