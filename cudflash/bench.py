@@ -10,6 +10,7 @@ import dataclasses
 import json
 import statistics
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,39 @@ from cudflash.engine.llm_engine import LLM
 from cudflash.errors import BackendError
 from cudflash.sampling_params import SamplingParams
 from cudflash.tiny import TinyHeads, TinyShape, draft_config, target_config
+from cudflash.tiny_hybrid import HybridShape, hybrid_config_json, hybrid_drafter_shape
 
-SYNTHETIC = {
+
+@dataclass(frozen=True, slots=True)
+class HybridPair:
+    """A synthetic Qwen3.5 hybrid target and its DFlash drafter. The drafter's vocabulary, hidden size, target
+    depth and positions come from the target (tiny_hybrid.hybrid_drafter_shape); `drafter` gives the rest."""
+
+    target: HybridShape
+    drafter: TinyShape
+
+
+# Qwen3.5 text_config fields (docs/hybrid.md, "Synthetic shapes", names the sources): 9B from the config.json of
+# Qwen/Qwen3.5-9B (as mirrored in leo-kreisman/Qwen3.5-9B-MLX-8bit), 27B from the config of the Qwen3.5/3.6 27B
+# text backbone (Qwen3.6-27B's config.json, the same as THUDM/slime's scripts/models/qwen3.5-27B.sh). Layers
+# follow full_attention_interval 4 (every 4th layer is full attention), as both configs list them.
+QWEN35_9B = HybridShape(vocab_size=248320, hidden_size=4096, num_layers=32, full_attention_interval=4, num_heads=16,
+                        num_kv_heads=4, head_dim=256, partial_rotary_factor=0.25, mrope_section=[11, 11, 10],
+                        intermediate_size=12288, linear_num_key_heads=16, linear_num_value_heads=32,
+                        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                        tie_word_embeddings=False, max_position_embeddings=262144, eos_token_id=248044)
+QWEN35_27B = dataclasses.replace(QWEN35_9B, hidden_size=5120, num_layers=64, num_heads=24, intermediate_size=17408,
+                                 linear_num_value_heads=48)
+# z-lab's DFlash drafters for them: 5 layers, block 16, mask token 248070, taps at the default layer ids
+# (1 + k (L - 4) / 4), every layer full attention. 27B: the config of z-lab/Qwen3.5-27B-DFlash (as copied in
+# HyzeAI/Hyze1B: 32 / 8 heads of 128, intermediate 17408). 9B: 32 heads, taps [1, 8, 15, 22, 29] and the mask id
+# from the model card of a fine-tune of z-lab/Qwen3.5-9B-DFlash (guglxni/Qwen3.5-9B-abliterated-DFlash); its 8 KV
+# heads of 128 and intermediate 12288 (the target's, as at 27B) are inferred, consistent with the "1B draft head"
+# reported for it and the 1.29 GiB of its Q8_0 GGUF.
+QWEN35_DRAFTER = TinyShape(draft_layers=5, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+                           mask_token_id=248070, eos_token_id=248044)
+
+SYNTHETIC: dict[str, TinyShape | HybridPair] = {
     "qwen3-8b": TinyShape(arch="qwen3", vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32,
                           num_kv_heads=8, head_dim=128, intermediate_size=12288, tie_word_embeddings=False,
                           max_position_embeddings=40960, draft_layers=5, block_size=16,
@@ -31,16 +63,27 @@ SYNTHETIC = {
                           num_kv_heads=8, head_dim=128, intermediate_size=9728, tie_word_embeddings=True,
                           max_position_embeddings=40960, draft_layers=5, block_size=16,
                           target_layer_ids=[1, 9, 17, 25, 33], mask_token_id=151669, eos_token_id=151645),
+    "qwen3.5-9b": HybridPair(QWEN35_9B, dataclasses.replace(QWEN35_DRAFTER, intermediate_size=12288,
+                                                            target_layer_ids=[1, 8, 15, 22, 29])),
+    "qwen3.5-27b": HybridPair(QWEN35_27B, dataclasses.replace(QWEN35_DRAFTER, intermediate_size=17408,
+                                                              target_layer_ids=[1, 16, 31, 46, 61])),
     "tiny": TinyShape(num_layers=4, target_layer_ids=[1, 2], block_size=16, max_position_embeddings=4096),
+    "tiny-hybrid": HybridPair(HybridShape(), TinyShape(target_layer_ids=[1, 2], block_size=16)),
 }
 PROJECTED_TAU = 6.5
 
 
 def write_synthetic_configs(name: str, folder: Path, drafter: str = "dflash") -> tuple[Path, Path]:
     """config.json of the synthetic target and drafter; `drafter` picks the family of the drafter's heads."""
-    shape = dataclasses.replace(SYNTHETIC[name], heads=TinyHeads(kind=drafter))
+    spec, heads = SYNTHETIC[name], TinyHeads(kind=drafter)
+    if isinstance(spec, HybridPair):
+        shape = dataclasses.replace(hybrid_drafter_shape(spec.target, spec.drafter), heads=heads)
+        configs = (hybrid_config_json(spec.target), draft_config(shape))
+    else:
+        shape = dataclasses.replace(spec, heads=heads)
+        configs = (target_config(shape), draft_config(shape))
     target, draft = folder / "target", folder / "drafter"
-    for path, cfg in ((target, target_config(shape)), (draft, draft_config(shape))):
+    for path, cfg in zip((target, draft), configs):
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.json").write_text(json.dumps(cfg))
     return target, draft
@@ -66,10 +109,24 @@ class BatchResult:
     propose_gb_per_s: float | None
     ar_gb_per_s: float
     gpu: dict[str, Any] = field(default_factory=dict)
+    prefill_tokens_per_s: float | None = None  # batch x prompt_len / prefill_ms
 
 
-def weight_bytes(obj: Any) -> int:
-    """Bytes of every array reachable from a model object (each array counted once)."""
+@dataclass
+class PrefillResult:
+    """bench --prefill-only: the prefill of `batch` prompts of `prompt_len` tokens, in one engine step where the
+    token budget allows (max_num_batched_tokens is sized for it), then nothing else."""
+
+    batch: int
+    prompt_len: int
+    prefill_ms: float  # until every prompt has its first token
+    tokens_per_s: float
+    gemm_tflop_s: float  # 2 x target weight elements x prompt tokens / time: the share of it the GEMMs account for
+    gpu: dict[str, Any] = field(default_factory=dict)
+
+
+def weight_bytes(obj: Any, elements: bool = False) -> int:
+    """Bytes (or, with `elements`, elements) of every array reachable from a model object, each counted once."""
     seen: set[int] = set()
 
     def walk(x: Any) -> int:
@@ -77,7 +134,7 @@ def weight_bytes(obj: Any) -> int:
             if id(x) in seen:
                 return 0
             seen.add(id(x))
-            return int(x.nbytes)
+            return int(x.size) if elements else int(x.nbytes)
         if isinstance(x, (list, tuple)):
             return sum(walk(v) for v in x)
         if hasattr(x, "__dataclass_fields__"):
@@ -143,10 +200,11 @@ def gpu_readings() -> dict[str, Any]:
         return {}
 
 
-def copy_bandwidth_gb_s(backend) -> float | None:
-    """Device-to-device copy, bytes read + written, the ceiling every GB/s figure is compared with."""
+def copy_bandwidth_gb_s(backend) -> float:
+    """Device-to-device copy, bytes read + written, the ceiling every GB/s figure is compared with. The numpy
+    backend's "device" is host memory, so there it is a host copy (smaller: the host's caches are not a GPU's)."""
     if backend.name != "cuda":
-        return None
+        return host_copy_bandwidth_gb_s()
     import cupy
 
     n = 2 * 2**30
@@ -162,17 +220,17 @@ def copy_bandwidth_gb_s(backend) -> float | None:
     return 2 * n * 10 / (backend.elapsed_ms(start, end) * 1e-3) / 1e9
 
 
-def bench_batch(llm: LLM, batch: int, prompt_len: int, steps: int, warmup: int, measured_tau: bool) -> BatchResult:
-    b, runner, sched = llm.backend, llm.runner, llm.scheduler
+def timed_prefill(llm: LLM, batch: int, prompt_len: int, params: SamplingParams) -> tuple[float, list[int]]:
+    """Prefill `batch` random prompts of `prompt_len` tokens after one throwaway prefill of the same length (which
+    compiles the prefill kernels and sizes cuBLAS's choices); returns (ms until every one has its first token,
+    request ids)."""
+    b, sched = llm.backend, llm.scheduler
     rng = np.random.default_rng(batch)
     vocab = llm.target_cfg.vocab_size
-    params = SamplingParams(max_tokens=prompt_len + 2 * (steps + warmup) * llm.block_size + 8, ignore_eos=True)
-    # Warm-up: one throwaway prefill of the same length compiles the prefill kernels and sizes cuBLAS's choices.
     warm = llm.add_request(rng.integers(2, vocab - 2, prompt_len).tolist(), SamplingParams(max_tokens=1))
     while not llm.requests[warm].output_ids:
         llm.engine.run(sched.schedule(), llm.block_size)
-    llm.abort(warm)
-    llm.requests.pop(warm)
+    drop(llm, [warm])
     ids = [llm.add_request(rng.integers(2, vocab - 2, prompt_len).tolist(), params) for _ in range(batch)]
     seqs = [llm.requests[i] for i in ids]
     b.synchronize()
@@ -181,7 +239,41 @@ def bench_batch(llm: LLM, batch: int, prompt_len: int, steps: int, warmup: int, 
         llm.engine.run(sched.schedule(), llm.block_size)
     end = b.event()
     b.synchronize()
-    prefill_ms = b.elapsed_ms(start, end)
+    return b.elapsed_ms(start, end), ids
+
+
+def drop(llm: LLM, ids: list[int]) -> None:
+    for i in ids:
+        llm.abort(i)
+        llm.requests.pop(i)
+
+
+def bench_prefill(llm: LLM, batch: int, prompt_len: int) -> PrefillResult:
+    ms, ids = timed_prefill(llm, batch, prompt_len, SamplingParams(max_tokens=1))
+    drop(llm, ids)
+    tokens, target = batch * prompt_len, llm.runner.target
+    # Every prompt row runs the layers' GEMMs; the embedding is gathered and the LM head runs on last rows only.
+    heads = target.embed_tokens.size + (0 if target.lm_head is target.embed_tokens else target.lm_head.size)
+    elements = weight_bytes(target, elements=True) - int(heads)
+    return PrefillResult(batch=batch, prompt_len=prompt_len, prefill_ms=ms, tokens_per_s=tokens / ms * 1e3,
+                         gemm_tflop_s=2 * elements * tokens / (ms * 1e-3) / 1e12, gpu=gpu_readings())
+
+
+def host_copy_bandwidth_gb_s(n: int = 2**27, repeats: int = 5) -> float:
+    a, b = np.ones(n, dtype=np.uint8), np.empty(n, dtype=np.uint8)
+    np.copyto(b, a)  # first touch of b's pages
+    start = time.perf_counter()
+    for _ in range(repeats):
+        np.copyto(b, a)
+    return 2 * n * repeats / (time.perf_counter() - start) / 1e9
+
+
+def bench_batch(llm: LLM, batch: int, prompt_len: int, steps: int, warmup: int, measured_tau: bool) -> BatchResult:
+    b, runner, sched = llm.backend, llm.runner, llm.scheduler
+    params = SamplingParams(max_tokens=prompt_len + 2 * (steps + warmup) * llm.block_size + 8, ignore_eos=True)
+    prefill_ms, ids = timed_prefill(llm, batch, prompt_len, params)
+    seqs = [llm.requests[i] for i in ids]
+    prefill_tps = batch * prompt_len / prefill_ms * 1e3
 
     def run(block: int) -> PhaseTimer:
         timer = PhaseTimer(b)
@@ -198,16 +290,14 @@ def bench_batch(llm: LLM, batch: int, prompt_len: int, steps: int, warmup: int, 
     spec_timer = run(llm.block_size) if llm.speculative else None  # None: plain decoding only (no drafter)
     accepted = [a for s in seqs for a in s.acceptance_lengths[-steps:]]
     ar_timer = run(1)
-    for i in ids:
-        llm.abort(i)
-        llm.requests.pop(i)
+    drop(llm, ids)
     ar_ms, target_bytes = ar_timer.mean_ms("start", "accept"), weight_bytes(runner.target)
     if spec_timer is None:
         return BatchResult(batch=batch, prompt_len=prompt_len, block=1, prefill_ms=prefill_ms, ar_step_ms=ar_ms,
                            propose_ms=None, verify_ms=None, accept_ms=None, spec_step_ms=None, tau=None,
                            tau_measured=False, ar_tokens_per_s=batch / ar_ms * 1e3, spec_tokens_per_s=None,
                            verify_gb_per_s=None, propose_gb_per_s=None, ar_gb_per_s=target_bytes / ar_ms / 1e6,
-                           gpu=gpu_readings())
+                           gpu=gpu_readings(), prefill_tokens_per_s=prefill_tps)
     tau = statistics.mean(accepted) if measured_tau else PROJECTED_TAU
     # A step runs from the event before it to the event after its accept. Plain decoding queues each next step
     # before it waits (cuda_graph.StepGraphs.decode), so the device passes both events only as the step queued in
@@ -224,12 +314,12 @@ def bench_batch(llm: LLM, batch: int, prompt_len: int, steps: int, warmup: int, 
         spec_step_ms=spec_ms, tau=tau, tau_measured=measured_tau,
         ar_tokens_per_s=batch / ar_ms * 1e3, spec_tokens_per_s=batch * tau / spec_ms * 1e3,
         verify_gb_per_s=target_bytes / verify_ms / 1e6, propose_gb_per_s=(draft_bytes + lm_head_bytes) / propose_ms / 1e6,
-        ar_gb_per_s=target_bytes / ar_ms / 1e6, gpu=gpu_readings(),
+        ar_gb_per_s=target_bytes / ar_ms / 1e6, gpu=gpu_readings(), prefill_tokens_per_s=prefill_tps,
     )
 
 
 def format_table(results: list[BatchResult], copy_gb_s: float | None) -> str:
-    head = (f"{'batch':>5} {'prompt':>6} {'prefill':>9} {'AR step':>8} {'propose':>8} {'verify':>8} {'accept':>7} "
+    head = (f"{'batch':>5} {'prompt':>6} {'prefill':>9} {'tok/s':>7} {'AR step':>8} {'propose':>8} {'verify':>8} {'accept':>7} "
             f"{'spec step':>9} {'tau':>9} {'AR tok/s':>9} {'spec tok/s':>10} {'verify GB/s':>11} {'% copy':>6}")
     lines = [head, "-" * len(head)]
     def cell(x: float | None, width: int, unit: str = "", digits: int = 2) -> str:
@@ -238,7 +328,8 @@ def format_table(results: list[BatchResult], copy_gb_s: float | None) -> str:
     for r in results:
         pct = f"{100 * r.verify_gb_per_s / copy_gb_s:5.0f}%" if copy_gb_s and r.verify_gb_per_s else "     -"
         tau = "-" if r.tau is None else f"{r.tau:.2f}" + ("" if r.tau_measured else " proj")
-        lines.append(f"{r.batch:>5} {r.prompt_len:>6} {r.prefill_ms:>7.2f}ms {r.ar_step_ms:>6.2f}ms "
+        lines.append(f"{r.batch:>5} {r.prompt_len:>6} {r.prefill_ms:>7.2f}ms {cell(r.prefill_tokens_per_s, 7, digits=0)} "
+                     f"{r.ar_step_ms:>6.2f}ms "
                      f"{cell(r.propose_ms, 6, 'ms')} {cell(r.verify_ms, 6, 'ms')} {cell(r.accept_ms, 5, 'ms')} "
                      f"{cell(r.spec_step_ms, 7, 'ms')} {tau:>9} {r.ar_tokens_per_s:>9.1f} "
                      f"{cell(r.spec_tokens_per_s, 10, digits=1)} {cell(r.verify_gb_per_s, 11, digits=1)} {pct}")
@@ -260,6 +351,9 @@ def synthetic_fp8(target: Any, backend: Any, std: float = 0.02) -> None:
     LM head stay bf16, as in the Qwen -FP8 releases. Before the first step, so every captured graph reads them."""
     if backend.name != "cuda":
         raise BackendError("bench --weights fp8 needs the cuda backend (the weights are made on the device)")
+    if any(not hasattr(layer, "qkv") for layer in target.layers):
+        raise BackendError("bench --weights fp8 replaces a dense target's projections; a hybrid target's GDN and "
+                           "gated-attention layers have others (use --weights bf16)")
     from cudflash.backends.fp8_weight import random_fp8
 
     for i, layer in enumerate(target.layers):
@@ -267,26 +361,74 @@ def synthetic_fp8(target: Any, backend: Any, std: float = 0.02) -> None:
             setattr(layer, name, random_fp8(getattr(layer, name).shape, std, seed=1000 + 4 * i + j))
 
 
-# Per phase, the bytes it must read at least: every weight of the models it runs once, less an untied embedding
-# table (a step gathers a few of its rows), and the KV cache of a 512-token prompt is a few MB beside them; its
-# floor is those bytes over the measured copy bandwidth.
-def phase_floors_ms(result: BatchResult, target_bytes: int, draft_bytes: int, lm_head_bytes: int,
-                    copy_gb_s: float) -> dict[str, float]:
+@dataclass(frozen=True, slots=True)
+class StepBytes:
+    """What the phases of one decode step must move at least, per model and per sequence.
+
+    Weights are read once per forward (an untied embedding table is left out: a step gathers a few of its rows).
+    Per sequence, each forward reads the KV of its context in every attention layer (a hybrid's GDN layers hold
+    none) and writes its new rows' KV; a Gated DeltaNet hybrid also reads each GDN layer's conv + recurrent state
+    (float32) and, once the step's tokens are known, writes it back."""
+
+    target_weights: int
+    draft_weights: int  # the drafter's own weights and the target's LM head it borrows
+    kv_per_position: int  # K + V of one position over the target's attention layers
+    draft_kv_per_position: int  # the same over the drafter's layers (its context K/V)
+    state_bytes: int  # one sequence's GDN conv + recurrent states over all GDN layers; 0 for a dense target
+    context: int  # positions each step attends to: the prompt's
+    draft_context: int  # summed over the drafter's layers: min(context, window) each (its sliding windows)
+    block: int  # rows a verify runs per sequence
+
+
+def phase_bytes(b: StepBytes, batch: int) -> dict[str, int]:
+    """Bytes read + written by each phase at `batch` sequences. AR: one row, the state read and written back.
+    Verify: `block` rows, the state only read (the commit writes it after acceptance, in the accept phase).
+    Propose: the drafter over its context. Spec step: verify + propose + the commit's state write."""
+    kv = b.context * b.kv_per_position
+    ar = b.target_weights + batch * (kv + b.kv_per_position + 2 * b.state_bytes)
+    verify = b.target_weights + batch * (kv + b.block * b.kv_per_position + b.state_bytes)
+    propose = b.draft_weights + batch * b.draft_context * b.draft_kv_per_position
+    return {"AR step": ar, "verify": verify, "propose": propose, "spec step": verify + propose + batch * b.state_bytes}
+
+
+def phase_floors_ms(result: BatchResult, nbytes: dict[str, int], copy_gb_s: float) -> dict[str, float]:
+    """Each phase's floor: its bytes over the measured copy bandwidth (read + write); plain decoding has AR only."""
     per_ms = copy_gb_s * 1e6  # bytes per ms
-    floors = {"AR step": target_bytes / per_ms}
-    if result.verify_ms is not None:
-        floors["verify"] = target_bytes / per_ms
-        floors["propose"] = (draft_bytes + lm_head_bytes) / per_ms
-        floors["spec step"] = floors["verify"] + floors["propose"]
-    return floors
+    phases = nbytes if result.verify_ms is not None else {"AR step": nbytes["AR step"]}
+    return {k: v / per_ms for k, v in phases.items()}
 
 
-def format_floors(results: list[BatchResult], floors: list[dict[str, float]]) -> str:
+def step_bytes(llm: LLM, context: int) -> StepBytes:
+    """StepBytes of the loaded pair: weights as held on the device, KV and state sizes from the configs."""
+    runner, cfg, item = llm.runner, llm.target_cfg, llm.backend.act_itemsize
+    target, draft, dcfg = runner.target, runner.draft, runner.draft_cfg
+    gathered = 0 if target.lm_head is target.embed_tokens else int(target.embed_tokens.nbytes)
+    attention_layers = len(cfg.hybrid.full_layers) if cfg.hybrid else cfg.num_layers
+    windows = (dcfg.layer_windows or [0] * dcfg.num_layers) if dcfg else []
+    return StepBytes(
+        target_weights=weight_bytes(target) - gathered,
+        draft_weights=weight_bytes(draft) + int(target.lm_head.nbytes) if draft else 0,
+        kv_per_position=attention_layers * 2 * cfg.num_kv_heads * cfg.head_dim * item,
+        draft_kv_per_position=2 * dcfg.num_kv_heads * dcfg.head_dim * item if dcfg else 0,
+        state_bytes=target.state_bytes_per_slot() if cfg.hybrid else 0,
+        context=context, draft_context=sum(min(context, w or context) for w in windows),
+        block=llm.block_size)
+
+
+def format_floors(results: list[BatchResult], floors: list[dict[str, float]],
+                  nbytes: list[dict[str, int]]) -> str:
     lines = []
-    for r, f in zip(results, floors):
+    for r, f, n in zip(results, floors, nbytes):
         got = {"AR step": r.ar_step_ms, "verify": r.verify_ms, "propose": r.propose_ms, "spec step": r.spec_step_ms}
         lines.append(f"batch {r.batch} byte floors: " + ", ".join(
-            f"{k} {v:.2f} ms (x{got[k] / v:.2f})" for k, v in f.items()))
+            f"{k} {v:.3f} ms = {n[k] / 1e9:.3f} GB (x{got[k] / v:.2f})" for k, v in f.items()))
+    return "\n".join(lines)
+
+
+def format_prefill(results: list[PrefillResult]) -> str:
+    lines = [f"{'batch':>5} {'prompt':>6} {'prefill':>10} {'tok/s':>9} {'GEMM TFLOP/s':>12}"]
+    lines += [f"{r.batch:>5} {r.prompt_len:>6} {r.prefill_ms:>8.2f}ms {r.tokens_per_s:>9.0f} {r.gemm_tflop_s:>12.1f}"
+              for r in results]
     return "\n".join(lines)
 
 
@@ -313,27 +455,37 @@ def run_bench(args, tuning: CudaTuning | None = None) -> str:
         synthetic_fp8(llm.runner.target, llm.backend)
     memory = weight_memory(llm)
     copy = copy_bandwidth_gb_s(llm.backend)
-    results = [bench_batch(llm, n, args.prompt_len, args.steps, args.warmup, measured_tau=not synthetic)
-               for n in batches]
-    target = llm.runner.target
-    gathered = 0 if target.lm_head is target.embed_tokens else int(target.embed_tokens.nbytes)
-    sizes = (weight_bytes(target) - gathered, weight_bytes(llm.runner.draft) if llm.runner.draft else 0,
-             int(target.lm_head.nbytes))
-    floors = [phase_floors_ms(r, *sizes, copy) for r in results] if copy else []
-    changed = tuning.changed()  # an A/B run says what it changed
+    report: dict[str, Any] = {"backend": llm.backend.name, "model": args.synthetic or str(target),
+                              "drafter": args.drafter if synthetic else draft and str(draft), "copy_gb_per_s": copy,
+                              "tuning": tuning.changed(), "weights": memory, "weight_format": weights,
+                              "draft_options": draft_options(args)}
+    if getattr(args, "prefill_only", False):
+        prefills = [bench_prefill(llm, n, args.prompt_len) for n in batches]
+        report["prefill"] = [asdict(r) for r in prefills]
+        table = format_prefill(prefills) + "\n" + format_weight_memory(memory)
+    else:
+        table = decode_report(llm, args, batches, synthetic, copy, memory, report)
     if args.json is not None:
-        Path(args.json).write_text(json.dumps({"backend": llm.backend.name, "model": args.synthetic or str(target),
-                                               "drafter": args.drafter if synthetic else draft and str(draft),
-                                               "copy_gb_per_s": copy, "tuning": changed, "weights": memory,
-                                               "weight_format": weights, "floors_ms": floors,
-                                               "draft_options": draft_options(args),
-                                               "results": [asdict(r) for r in results]}, indent=2))
-    table = format_table(results, copy) + "\n" + format_weight_memory(memory)
-    if floors:
-        table += "\n" + format_floors(results, floors)
+        Path(args.json).write_text(json.dumps(report, indent=2))
     if weights != "bf16":
         table += f"\ntarget linear weights: {weights} (synthetic, made on the device)"
+    changed = tuning.changed()  # an A/B run says what it changed
+    return table + "\ntuning: " + ", ".join(f"{k}={v}" for k, v in changed.items()) if changed else table
+
+
+def decode_report(llm: LLM, args, batches: list[int], synthetic: bool, copy: float,
+                  memory: dict[str, dict[str, Any]], report: dict[str, Any]) -> str:
+    """Time the decode phases per batch size; fill `report` with the results, each phase's bytes and floors."""
+    results = [bench_batch(llm, n, args.prompt_len, args.steps, args.warmup, measured_tau=not synthetic)
+               for n in batches]
+    sizes = step_bytes(llm, args.prompt_len)
+    nbytes = [phase_bytes(sizes, r.batch) for r in results]
+    floors = [phase_floors_ms(r, n, copy) for r, n in zip(results, nbytes)]
+    report.update(results=[asdict(r) for r in results], step_bytes=asdict(sizes), phase_bytes=nbytes,
+                  floors_ms=floors)
+    table = format_table(results, copy) + "\n" + format_weight_memory(memory)
+    table += "\n" + format_floors(results, floors, nbytes)
     if getattr(args, "tree_budget", None):
         table += (f"\nspeculative steps verify a draft tree of {args.tree_budget} nodes per sequence "
                   f"({args.tree_budget + 1} rows with the root)")
-    return table + "\ntuning: " + ", ".join(f"{k}={v}" for k, v in changed.items()) if changed else table
+    return table

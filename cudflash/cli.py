@@ -187,10 +187,15 @@ def add_generate_arguments(g: argparse.ArgumentParser) -> None:
                    metavar="SECONDS", help="a progress line on stderr at most this often (default 5; 0: every step)")
 
 
+# bench.SYNTHETIC's names, listed here so that parsing the command line imports no engine (a test keeps them equal).
+SYNTHETIC_MODELS = ["qwen3-8b", "qwen3-4b", "qwen3.5-9b", "qwen3.5-27b", "tiny", "tiny-hybrid"]
+
+
 def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     source = bench.add_mutually_exclusive_group(required=True)
-    source.add_argument("--synthetic", choices=["qwen3-8b", "qwen3-4b", "tiny"],
-                        help="random weights with the exact shapes of this model and its DFlash-b16 drafter")
+    source.add_argument("--synthetic", choices=SYNTHETIC_MODELS,
+                        help="random weights with the exact shapes of this model and its DFlash drafter (qwen3.5-*: "
+                             "Gated DeltaNet hybrids; tiny-hybrid: a small one for tests)")
     source.add_argument("--target", type=_text_arg, help="target model (without --draft: times plain decoding)")
     bench.add_argument("--draft", type=_text_arg, help="drafter directory or model id")
     bench.add_argument("--drafter", choices=["dflash", "dflash2", "dspark"], default="dflash",
@@ -213,6 +218,8 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--weights", choices=["bf16", "fp8"], default="bf16",
                        help="with --synthetic: the format of the target's linear weights (fp8: E4M3 codes with "
                             "128x128 block scales, made on the device; the LM head and embeddings stay bf16)")
+    bench.add_argument("--prefill-only", action="store_true",
+                       help="time the prefill of each batch of prompts (tokens/s) and no decode steps")
     bench.add_argument("--json", type=Path, metavar="FILE", help="write the numbers as JSON too")
     bench.add_argument("--tune", action="append", default=[], metavar="NAME=VALUE",
                        help="set a field of the CUDA backend's tuning (cudflash/backends/tuning.py), e.g. "

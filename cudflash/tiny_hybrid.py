@@ -189,11 +189,16 @@ def write_hybrid_target(directory: str | Path, shape: HybridShape | None = None,
     return write_model(directory, hybrid_config_json(s), hybrid_tensors(s, seed), s.dtype, s.shards)
 
 
+def hybrid_drafter_shape(target: HybridShape, drafter: TinyShape | None = None) -> TinyShape:
+    """The drafter fields of `drafter` (its layers, heads, block size, family, `target_layer_ids` into the hybrid
+    stack, sliding-window layers) with the target's vocabulary, hidden size, layer count and positions."""
+    return replace(drafter or TinyShape(), vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+                   num_layers=target.num_layers, max_position_embeddings=target.max_position_embeddings)
+
+
 def write_hybrid_drafter(directory: str | Path, target: HybridShape, drafter: TinyShape | None = None,
                          seed: int = 0) -> Path:
-    """A tiny random drafter for the hybrid target of shape `target`: the drafter fields of `drafter` (its layers,
-    heads, block size, family, `target_layer_ids` into the hybrid stack, sliding-window layers) with the target's
-    vocabulary, hidden size and layer count. It borrows the target's embedding and LM head (no DeepSpec copies)."""
-    s = replace(drafter or TinyShape(), vocab_size=target.vocab_size, hidden_size=target.hidden_size,
-                num_layers=target.num_layers, max_position_embeddings=target.max_position_embeddings)
+    """A tiny random drafter (hybrid_drafter_shape) for the hybrid target of shape `target`. It borrows the
+    target's embedding and LM head (no DeepSpec copies)."""
+    s = hybrid_drafter_shape(target, drafter)
     return write_model(directory, draft_config(s), draft_tensors(s, np.random.default_rng(seed)), s.dtype)

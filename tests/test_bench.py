@@ -74,8 +74,13 @@ def test_bench_target_alone_times_plain_decoding(tiny_pair, tmp_path, capsys):
         assert x["block"] == 1 and x["ar_step_ms"] > 0 and x["ar_tokens_per_s"] == x["batch"] / x["ar_step_ms"] * 1e3
         assert x["spec_step_ms"] is None and x["tau"] is None and x["spec_tokens_per_s"] is None
     lines = table.strip().splitlines()
-    assert "projection" not in table and len(lines) == 5  # head, rule, one row per batch, weight memory
-    assert lines[-1].startswith("weights on the device: target ") and "bf16: " in lines[-1]
+    # head, rule, one row per batch, the copy bandwidth, weight memory, one line of floors (AR only) per batch
+    assert "projection" not in table and len(lines) == 8
+    memory = next(line for line in lines if line.startswith("weights on the device: target "))
+    assert "bf16: " in memory
+    assert [line.split(":")[0] for line in lines[-2:]] == ["batch 1 byte floors", "batch 2 byte floors"]
+    assert all("AR step" in line and "verify" not in line for line in lines[-2:])
+    assert [set(f) for f in data["floors_ms"]] == [{"AR step"}] * 2
     assert data["weights"]["target"]["stored_by_format"]["bf16"] > 0 and "drafter" not in data["weights"]
 
 
@@ -121,18 +126,26 @@ def test_bench_weights_fp8_needs_synthetic_weights_and_the_gpu(tiny_pair):
 
 
 def test_phase_floors_are_bytes_over_the_copy_bandwidth():
-    from cudflash.bench import format_floors, phase_floors_ms
+    from cudflash.bench import StepBytes, format_floors, phase_bytes, phase_floors_ms
 
     r = BatchResult(batch=1, prompt_len=512, block=16, prefill_ms=20.0, ar_step_ms=4.0, propose_ms=1.0, verify_ms=4.4,
                     accept_ms=0.1, spec_step_ms=5.5, tau=6.5, tau_measured=False, ar_tokens_per_s=250.0,
                     spec_tokens_per_s=1182.0, verify_gb_per_s=3600.0, propose_gb_per_s=3000.0, ar_gb_per_s=3800.0)
-    f = phase_floors_ms(r, target_bytes=8_000_000_000, draft_bytes=2_000_000_000, lm_head_bytes=1_000_000_000,
-                        copy_gb_s=4000.0)
+    dense = StepBytes(target_weights=8_000_000_000, draft_weights=3_000_000_000, kv_per_position=0,
+                      draft_kv_per_position=0, state_bytes=0, context=512, draft_context=0, block=16)
+    n = phase_bytes(dense, 1)
+    f = phase_floors_ms(r, n, copy_gb_s=4000.0)
     assert f == {"AR step": 2.0, "verify": 2.0, "propose": 0.75, "spec step": 2.75}
-    line = format_floors([r], [f])
-    assert "AR step 2.00 ms (x2.00)" in line and "verify 2.00 ms (x2.20)" in line and "spec step 2.75 ms (x2.00)" in line
+    line = format_floors([r], [f], [n])
+    assert "AR step 2.000 ms = 8.000 GB (x2.00)" in line and "verify 2.000 ms" in line and "(x2.20)" in line
+    assert "spec step 2.750 ms" in line
     plain = dataclasses_replace(r)
-    assert set(phase_floors_ms(plain, 8_000_000_000, 0, 0, 4000.0)) == {"AR step"}
+    assert set(phase_floors_ms(plain, n, 4000.0)) == {"AR step"}
+    # A hybrid's state: AR reads and writes it, a verify only reads it, the commit (in the spec step) writes it.
+    hybrid = phase_bytes(StepBytes(100, 10, kv_per_position=2, draft_kv_per_position=1, state_bytes=1000,
+                                   context=50, draft_context=100, block=16), batch=3)
+    assert hybrid == {"AR step": 100 + 3 * (100 + 2 + 2000), "verify": 100 + 3 * (100 + 32 + 1000),
+                      "propose": 10 + 3 * 100, "spec step": 100 + 3 * 1132 + 310 + 3000}
 
 
 def dataclasses_replace(r: BatchResult) -> BatchResult:
