@@ -35,6 +35,7 @@ nb = NumpyBackend()
 # (Hk, Hv, dk, dv, conv kernel): the tiny test config, and Qwen3.5-9B's released GDN dims (hybrid_config defaults)
 TINY = (2, 4, 16, 16, 4)
 QWEN35_9B = (16, 32, 128, 128, 4)
+PAIR = (2, 4, 48, 48, 4)  # the trained tiny hybrid pair's GDN dims (tests/data/tiny-hybrid-pair): dk, dv not 2^k
 LENS = [1, 5, 0, 70, 130, 16]  # several sequences in one call: a decode row, a verify, an empty one, > one chunk
 SLOTS = [3, -1, 0, 5, 1, 6]  # out of order; -1: a padding sequence (skipped by numpy too)
 POOL = 8  # state slots; 2, 4 and 7 are in no sequence and must stay as they were
@@ -114,7 +115,7 @@ def gdn_inputs(rng: np.random.Generator, dims, t: int):
     return host, dev, states
 
 
-@pytest.mark.parametrize("dims", [TINY, QWEN35_9B], ids=["tiny", "qwen3.5-9b"])
+@pytest.mark.parametrize("dims", [TINY, PAIR, QWEN35_9B], ids=["tiny", "pair", "qwen3.5-9b"])
 @pytest.mark.parametrize("commit", [True, False])
 @pytest.mark.parametrize("form", ["gdn_recurrent", "gdn_chunked"])
 def test_gated_delta_rule(cb, rng, dims, commit, form):

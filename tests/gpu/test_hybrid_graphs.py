@@ -183,3 +183,15 @@ def test_a_follow_up_turn_hits_a_snapshot_and_replays_the_eager_tokens(pair):
     hits = [llm.scheduler.num_prefix_hit_tokens for llm in (eager, graphed)]
     committed = len(turn1) + len(first) - 1  # turn 1's last token was still pending
     assert hits == [16 * (committed // 16)] * 2, hits  # 96 of 106: a boundary passed while decoding
+
+
+def test_the_trained_hybrid_pair_replays_the_eager_tokens():
+    """The trained tiny hybrid pair (tests/data/tiny-hybrid-pair: dk = dv = 48, tau ~4), 8 prompts in one batch:
+    steps that accept part of their block, the most common case, give the eager tokens and acceptance lengths."""
+    from tests.conftest import HYBRID_PAIR, load_goldens
+
+    prompts = [g["prompt_ids"] for g in load_goldens(HYBRID_PAIR)[:8]]
+    eager, graphed = _both(HYBRID_PAIR / "target", HYBRID_PAIR / "drafter", max_num_seqs=8)
+    got = _same(eager, graphed, prompts, SamplingParams(max_tokens=64, ignore_eos=True))
+    lengths = [n for o in got for n in o.acceptance_lengths[:-1]]
+    assert 1 < np.mean(lengths) < max(lengths)  # partial acceptance: spans of several lengths were committed
