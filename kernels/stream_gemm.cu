@@ -14,7 +14,8 @@
 // Work: w's rows form blocks of 16 T; CTA b takes blocks b, b + gridDim.x, ... and streams each in K tiles of
 // KT columns: one ring stage holds a tile's KT / 64 weight boxes and KT / 64 x boxes (layout below).
 // Warps: 0..3 compute, warp 4 copies (its lane 0 arms a stage's barrier with the byte count and issues the
-// stage's 2 KT / 64 box copies). Barriers: full[s] (1 arrival + the bytes), empty[s] (one per compute warp).
+// stage's 2 KT / 64 box copies; W8 >= 2: all its lanes also stage the scales, below). Barriers: full[s] (1 arrival +
+// the bytes; W8 >= 2: 1 + 32 arrivals), empty[s] (one per compute warp).
 // Before griddepcontrol.wait the copy warp requests the weight boxes of the first `prefill` stages; the rest of the
 // ring and x's boxes follow the wait. (A stage or two is the head start; a full ring's prefill only competes with
 // the latency-bound kernels in front for HBM: the tuning's stream_gemm_prefill_stages.)
@@ -59,6 +60,22 @@
 // 8 + 2c, 9 + 2c <- 4c + 1, 4c + 3), and each lane reads x's 4 columns 4c .. 4c + 3 (8 bytes) and permutes them the
 // same way: a dot product is a sum over k in any order of the same products. NaN codes (0x7F, 0xFF) are not decoded
 // as NaN (the loader refuses non-finite weights before they get here).
+// W8 variants (the template's W8: 0 is bf16), under A/B (stream_gemm.py, tuning.fp8_gemm), the same bits (3 with the
+// one exception below):
+//   1  each compute warp loads its rows' scales from global memory at the top of the stage (a dependent round trip
+//      that every stage waits for at its end).
+//   2  the copy warp stages the scales: with each stage's weight boxes its 32 lanes copy the stage's 2 x 16 T scales
+//      (the block's 16 T rows, the stage's two scale columns) into scs[stage] by cp.async, counted on full[s] by one
+//      cp.async.mbarrier.arrive.noinc per lane (full[s] then expects 1 + 32 arrivals); the compute warps read them
+//      from shared memory after the full wait, so the scales' latency hides in the ring like the weight's. The copy
+//      warp fetches the row map of block b + 1 while it issues block b (the first ones before the wait: weights).
+//      Both warps count the stage's slot, phase, k tile and block instead of dividing by run-time values, and the
+//      decode's low halves take one prmt (e4m3x4_to_bf16's PRMT).
+//   3  as 2, with a cheaper decode: the bits placed as in e4m3x4_to_bf16 but no multiply, i.e. the codes' values
+//      times 2^-120 (a bf16 subnormal for a subnormal code, which the MMA takes as it is); x's pairs are multiplied
+//      by 2^64 instead (exact in bf16 for |x| < 2^64) and the scale by 2^56 (exact below 2^72), so the partial sums
+//      are W8 1's times 2^-56 exactly and the scaled sums the same floats (unless products fall below 2^-126, i.e.
+//      |x| < 2^-61).
 #include "mma.cuh"
 
 #define SG_PLAIN 0
@@ -117,11 +134,42 @@ struct WeightScales {
 // Four E4M3 codes (bytes b0..b3 of r) -> bf16 pairs lo = (b0, b2), hi = (b1, b3), exactly: with a code in the high
 // byte of a 16-bit half, (h & 0x8000) | ((h & 0x7F00) >> 4) is the bf16 whose exponent field is the code's and whose
 // mantissa is the code's 3 bits (a bf16 subnormal for a code subnormal), i.e. the code's value times 2^-120, and one
-// exact bf16 multiply by 2^120 (fma with -0, subnormal inputs kept) restores it.
+// exact bf16 multiply by 2^120 (fma with -0, subnormal inputs kept) restores it (SCALED: W8 3 keeps the 2^-120).
+// PRMT (W8 >= 2): the low bytes' halves in three instructions instead of four, the same bits: prmt's sign mode
+// makes each half [8 copies of the code's sign][code], and << 4 then & 0x87F0 keeps one sign bit at bit 15 and the
+// code's 7 low bits at bits 10..4.
+template <bool PRMT = false, bool SCALED = false>
 __device__ __forceinline__ void e4m3x4_to_bf16(unsigned r, unsigned& lo, unsigned& hi) {
-    const unsigned h = (r & 0x80008000u) | ((r & 0x7F007F00u) >> 4), l = ((r << 8) & 0x80008000u) | ((r & 0x007F007Fu) << 4);
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(hi) : "r"(h), "r"(0x7B807B80u), "r"(0x80008000u));
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(lo) : "r"(l), "r"(0x7B807B80u), "r"(0x80008000u));
+    const unsigned h = (r & 0x80008000u) | ((r & 0x7F007F00u) >> 4);
+    unsigned l;
+    if constexpr (PRMT) {
+        asm("prmt.b32 %0, %1, 0, 0xA280;" : "=r"(l) : "r"(r));  // bytes b0, sign(b0), b2, sign(b2)
+        l = (l << 4) & 0x87F087F0u;
+    } else {
+        l = ((r << 8) & 0x80008000u) | ((r & 0x007F007Fu) << 4);
+    }
+    if constexpr (SCALED) {
+        hi = h;
+        lo = l;
+    } else {
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(hi) : "r"(h), "r"(0x7B807B80u), "r"(0x80008000u));
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(lo) : "r"(l), "r"(0x7B807B80u), "r"(0x80008000u));
+    }
+}
+// A bf16 pair times 2^64, exactly for |x| < 2^64 (fma with -0: a zero keeps its sign, subnormals are kept): W8 3's x.
+__device__ __forceinline__ unsigned bf16x2_times_2_64(unsigned x) {
+    unsigned y;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(y) : "r"(x), "r"(0x5F805F80u), "r"(0x80008000u));
+    return y;
+}
+__device__ __forceinline__ float lds32(unsigned addr) {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+    return v;
+}
+// One float of global memory into shared memory, asynchronously (zeros where `ok` is false: nothing is read).
+__device__ __forceinline__ void cp_async4(unsigned dst, const float* src, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(src)), "r"(ok ? 4 : 0) : "memory");
 }
 __device__ __forceinline__ void lds64(unsigned addr, unsigned& a, unsigned& b) {
     asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(a), "=r"(b) : "r"(addr));
@@ -134,9 +182,11 @@ __device__ __forceinline__ void store_y(bf16* p, float v) { *p = __float2bfloat1
 // box rows of 128 bytes in the 128-byte swizzle (16-byte chunk j of row r sits at chunk j ^ (r % 8): ldmatrix's
 // eight rows hit eight different banks); XRES: then x's M rows of K bf16, XROW = 2 K + 16 bytes apart (W8: + 32, so
 // the eight-byte reads of eight rows g at 8 c hit distinct banks); then the partials red[3][T][NT][4][32] float32;
-// then full[stages], empty[stages] and (XRES) the x barrier. stream_gemm.py computes the same size.
+// then full[stages], empty[stages] and (XRES) the x barrier; W8 >= 2: then, 16 bytes past the x barrier's slot, the
+// staged scales scs[stages][2][16 T] float32 ([stage][scale column of the stage][row of the block]). stream_gemm.py
+// computes the same size.
 // XRES: xmap is no tensor map but {x's address, its row stride in bytes} in its first two words.
-template <int T, int NT, int KT, typename Y, int EPI, bool XRES, bool W8>
+template <int T, int NT, int KT, typename Y, int EPI, bool XRES, int W8>
 __global__ void __launch_bounds__(SG_THREADS)
 stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap, Y* __restrict__ y,
             int M, int N, int K, int stages, int prefill, const __grid_constant__ Epilogue epi,
@@ -157,6 +207,8 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     const unsigned xs = ring + stages * STAGE, xrow = 2 * K + (W8 ? 32 : 16);  // XRES: x's rows
     float* red = reinterpret_cast<float*>(smem + (size_t)stages * STAGE + (XRES ? M * xrow : 0));  // [3][NACC][32]
     const unsigned full0 = smem_addr(red + 3 * NACC * 32), empty0 = full0 + 8 * stages, xbar = empty0 + 8 * stages;
+    constexpr bool STAGED = W8 >= 2;  // the copy warp stages the scales (W8 2 and 3)
+    const unsigned scs = xbar + 16;   // STAGED: scs[stages][2][16 T]
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int nblocks = (N + 16 * T - 1) / (16 * T);
@@ -166,7 +218,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < stages; ++s) {
-            mbar_init(full0 + 8 * s, 1);
+            mbar_init(full0 + 8 * s, STAGED ? 1 + 32 : 1);  // STAGED: the copy lanes' cp.async arrivals
             mbar_init(empty0 + 8 * s, SG_COMPUTE_WARPS);
         }
         if (XRES) mbar_init(xbar, 1);
@@ -175,40 +227,95 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     __syncthreads();
 
     if (warp == SG_COMPUTE_WARPS) {  // ------------------------------------------------------------ copy warp
-        if (lane != 0) return;
+        // Lane 0 arms the barriers and issues the bulk copies; STAGED, all 32 lanes stage the scales besides.
+        if (!STAGED && lane != 0) return;
         unsigned long long evict_first, evict_last;  // the weight is read once per step; x by every CTA
         asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(evict_first));
         asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(evict_last));
-        auto copy_w = [&](int i) {
-            const int s = i % stages, row0 = (blockIdx.x + (i / ktiles) * gridDim.x) * 16 * T, k0 = (i % ktiles) * KT;
+        // Stage i = s + stages * (its round) = kt + ktiles * blk: ring slot s, k tile kt of the CTA's block blk.
+        auto copy_w = [&](int s, int kt, int blk) {
+            if (STAGED && lane != 0) return;
+            const int row0 = (blockIdx.x + blk * gridDim.x) * 16 * T, k0 = kt * KT;
             mbar_expect_tx(full0 + 8 * s, STAGE);
 #pragma unroll
             for (int b = 0; b < WBOXES; ++b)
                 tma_load(ring + s * STAGE + b * WBOX, wmap, k0 + (W8 ? 128 : 64) * b, row0, full0 + 8 * s, evict_first);
         };
-        auto copy_x = [&](int i) {
-            const int s = i % stages, k0 = (i % ktiles) * KT;
+        auto copy_x = [&](int s, int kt) {
+            if (STAGED && lane != 0) return;
+            const int k0 = kt * KT;
 #pragma unroll
             for (int b = 0; b < BOXES; ++b)
                 tma_load(ring + s * STAGE + WBOXES * WBOX + b * XBOX, xmap, k0 + 64 * b, 0, full0 + 8 * s, evict_last);
         };
+        // STAGED: lane l stages entries j = l + 32 q (q < T) of scs[s]: row j % (16 T) of the block, scale column
+        // j / (16 T) of the stage. srow[q] / srow_next[q]: rows[f] * cols of that row f in the block being issued /
+        // the next block (-1 past N or past this CTA's blocks), fetched a block ahead so that only the first block's
+        // row map is waited for (before griddepcontrol.wait, under the kernel in front: it is a weight).
+        constexpr int SQ = STAGED ? T : 1;
+        int srow[SQ], srow_next[SQ];
+        auto block_rows = [&](int blk, int (&out)[SQ]) {
+            const int row0 = (blockIdx.x + blk * gridDim.x) * 16 * T;
+#pragma unroll
+            for (int q = 0; q < SQ; ++q) {
+                const int f = row0 + (lane + 32 * q) % (16 * T);
+                out[q] = blk < my_blocks && f < N ? wsc.rows[f] * wsc.cols : -1;
+            }
+        };
+        auto copy_s = [&](int s, int kt, int blk) {  // called for stages i = 0, 1, 2, ... in order
+            const int kb0 = kt * (KT / SG_W8_BLOCK);
+            if (blk > 0 && kt == 0) {  // a new block: its rows came with the previous one
+#pragma unroll
+                for (int q = 0; q < SQ; ++q) srow[q] = srow_next[q];
+                block_rows(blk + 1, srow_next);
+            }
+#pragma unroll
+            for (int q = 0; q < SQ; ++q) {
+                const int j = lane + 32 * q;
+                const bool ok = srow[q] >= 0;
+                cp_async4(scs + 4 * (s * 32 * T + j), wsc.scale + (ok ? srow[q] + kb0 + j / (16 * T) : 0), ok);
+            }
+            asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" ::"r"(full0 + 8 * s) : "memory");
+        };
         const int ahead = min(min(stages, prefill), total);
-        for (int i = 0; i < ahead; ++i) copy_w(i);  // before the wait: overlaps the kernels in front
+        if constexpr (STAGED) {
+            block_rows(0, srow);
+            block_rows(1, srow_next);
+        }
+        for (int i = 0; i < ahead; ++i) copy_w(i % stages, i % ktiles, i / ktiles);  // before the wait: overlaps the kernels in front
+        if constexpr (STAGED)  // after the boxes, which do not wait for srow
+            for (int i = 0; i < ahead; ++i) copy_s(i % stages, i % ktiles, i / ktiles);
         pdl_wait();
         if constexpr (XRES) {
-            const unsigned long long x = xmap.words[0], stride = xmap.words[1];
-            mbar_expect_tx(xbar, M * 2 * K);
-            for (int m = 0; m < M; ++m)
-                asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                             ::"r"(xs + m * xrow), "l"(x + m * stride), "r"(2 * K), "r"(xbar) : "memory");
+            if (!STAGED || lane == 0) {
+                const unsigned long long x = xmap.words[0], stride = xmap.words[1];
+                mbar_expect_tx(xbar, M * 2 * K);
+                for (int m = 0; m < M; ++m)
+                    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                                 ::"r"(xs + m * xrow), "l"(x + m * stride), "r"(2 * K), "r"(xbar) : "memory");
+            }
         } else {
-            for (int i = 0; i < ahead; ++i) copy_x(i);
+            for (int i = 0; i < ahead; ++i) copy_x(i % stages, i % ktiles);
         }
-        for (int i = ahead; i < total; ++i) {
-            mbar_wait(empty0 + 8 * (i % stages), ((i / stages) - 1) & 1);
-            copy_w(i);
-            if constexpr (!XRES) copy_x(i);
+        if constexpr (STAGED) {
+            // Counted, not divided, as in the compute warps' loop (this warp shares a scheduler with compute warp 0).
+            int s = ahead % stages, phase = (ahead / stages + 1) & 1, kt = ahead % ktiles, blk = ahead / ktiles;
+            for (int i = ahead; i < total; ++i) {
+                mbar_wait(empty0 + 8 * s, phase);  // the slot's previous round was read
+                copy_w(s, kt, blk);
+                if constexpr (!XRES) copy_x(s, kt);
+                copy_s(s, kt, blk);
+                if (++s == stages) s = 0, phase ^= 1;
+                if (++kt == ktiles) kt = 0, ++blk;
+            }
+        } else {
+            for (int i = ahead; i < total; ++i) {
+                mbar_wait(empty0 + 8 * (i % stages), ((i / stages) - 1) & 1);
+                copy_w(i % stages, i % ktiles, i / ktiles);
+                if constexpr (!XRES) copy_x(i % stages, i % ktiles);
+            }
         }
+        if constexpr (STAGED) asm volatile("cp.async.wait_all;" ::: "memory");  // none left in flight at exit
         return;
     }
 
@@ -257,15 +364,25 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     // with x in boxes the early loads are cheaper than exposed ones at the end); the running sums of r^2 of this
     // lane's rows m = 8 n + 2 c + e over all of the CTA's blocks.
     float res[EPI == SG_ADD_NORM ? T : 1][NT][4], nw[EPI == SG_ADD_NORM ? T : 1][2], ss[NT][2] = {};
-    // W8: the offsets scale + rows[f] * cols of this lane's weight rows f = row0 + 16 t + g + 8 h (-1 past N).
-    int srow[W8 ? T : 1][2];
+    // W8 1: the offsets scale + rows[f] * cols of this lane's weight rows f = row0 + 16 t + g + 8 h (-1 past N).
+    int srow[W8 == 1 ? T : 1][2];
 
+    // STAGED: stage i's slot i % stages, its phase (i / stages) & 1, its k tile i % ktiles and its block i / ktiles
+    // are counted, not divided (integer divisions by run-time values cost ~50 instructions a stage); otherwise they
+    // are divided where they are used (kt(), blk()).
+    int ring_s = 0, ring_phase = 0, ring_kt = 0, ring_blk = 0;
     for (int i = 0; i < total; ++i) {
-        const int s = i % stages;
+        if constexpr (STAGED) if (i > 0) {
+            if (++ring_s == stages) ring_s = 0, ring_phase ^= 1;
+            if (++ring_kt == ktiles) ring_kt = 0, ++ring_blk;
+        }
+        auto kt = [&]() { return STAGED ? ring_kt : i % ktiles; };
+        auto blk = [&]() { return STAGED ? ring_blk : i / ktiles; };
+        const int s = STAGED ? ring_s : i % stages;
         float sc0[W8 ? T : 1][2];  // W8: this stage's scale of each of the lane's rows (its warp's scale column)
-        if constexpr (W8) {
-            if (i % ktiles == 0) {
-                const int row0 = (blockIdx.x + (i / ktiles) * gridDim.x) * 16 * T;
+        if constexpr (W8 == 1) {
+            if (kt() == 0) {
+                const int row0 = (blockIdx.x + blk() * gridDim.x) * 16 * T;
 #pragma unroll
                 for (int t = 0; t < T; ++t)
 #pragma unroll
@@ -274,14 +391,14 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                         srow[t][h] = f < N ? wsc.rows[f] * wsc.cols : -1;
                     }
             }
-            const int kb = ((i % ktiles) * KT + warp * (KT / SG_COMPUTE_WARPS)) / SG_W8_BLOCK;
+            const int kb = (kt() * KT + warp * (KT / SG_COMPUTE_WARPS)) / SG_W8_BLOCK;
 #pragma unroll
             for (int t = 0; t < T; ++t)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) sc0[t][h] = srow[t][h] >= 0 ? wsc.scale[srow[t][h] + kb] : 0.f;
         }
-        if constexpr (EPI == SG_ADD_NORM && !XRES) if (warp == 0 && i % ktiles == 0) {
-            const int row0 = (blockIdx.x + (i / ktiles) * gridDim.x) * 16 * T;
+        if constexpr (EPI == SG_ADD_NORM && !XRES) if (warp == 0 && kt() == 0) {
+            const int row0 = (blockIdx.x + blk() * gridDim.x) * 16 * T;
 #pragma unroll
             for (int t = 0; t < T; ++t)
 #pragma unroll
@@ -297,9 +414,20 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                         }
                 }
         }
-        mbar_wait(full0 + 8 * s, (i / stages) & 1);
+        mbar_wait(full0 + 8 * s, STAGED ? ring_phase : (i / stages) & 1);
         const unsigned base = ring + s * STAGE;
-        if constexpr (W8) {
+        if constexpr (STAGED) {
+            // scs[s][warp / 2][16 t + g + 8 h] (W8 3: times 2^56, exact below 2^72), read now, used after the MMAs.
+            const unsigned at = scs + 4 * (s * 32 * T + (warp >> 1) * 16 * T + g);
+#pragma unroll
+            for (int t = 0; t < T; ++t)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    sc0[t][h] = lds32(at + 4 * (16 * t + 8 * h));
+                    if constexpr (W8 == 3) sc0[t][h] *= __int_as_float(0x5B800000);  // 2^56
+                }
+        }
+        if constexpr (W8 != 0) {
             // This warp's 64 columns: bytes [64 (warp % 2), + 64) of weight box warp / 2 and x box warp (or x's
             // resident columns), in two rounds of 32 columns = two MMA steps.
             float part[T][NT][4];
@@ -316,12 +444,16 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                     for (int n = 0; n < NT; ++n) {
                         const int e = kk + 16 * step + 4 * c;  // column of the warp's 64: x[token][e .. e + 3]
                         const unsigned xa = XRES
-                            ? b_res8 + 2 * ((i % ktiles) * KT + warp * 64 + e)
+                            ? b_res8 + 2 * (kt() * KT + warp * 64 + e)
                             : base + WBOXES * WBOX + warp * XBOX + (8 * n + g) * 128 + (((e / 8) ^ g) << 4) + 2 * (e % 8);
                         unsigned x0, x1;
                         lds64(xa, x0, x1);
                         b[step][n][0] = __byte_perm(x0, x1, 0x5410);  // x[e], x[e + 2]
                         b[step][n][1] = __byte_perm(x0, x1, 0x7632);  // x[e + 1], x[e + 3]
+                        if constexpr (W8 == 3) {
+                            b[step][n][0] = bf16x2_times_2_64(b[step][n][0]);
+                            b[step][n][1] = bf16x2_times_2_64(b[step][n][1]);
+                        }
                     }
                 const unsigned wa = base + (warp >> 1) * WBOX + a_row +
                                     (((((warp & 1) * 64 + kk) / 16 + a_half) ^ key) << 4);
@@ -329,10 +461,10 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                 for (int t = 0; t < T; ++t) {
                     unsigned r0, r1, r2, r3, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3;
                     ldmatrix_x4(wa + t * 16 * 128, r0, r1, r2, r3);  // rows g, g + 8 of columns 4c.., 16 + 4c..
-                    e4m3x4_to_bf16(r0, lo0, hi0);
-                    e4m3x4_to_bf16(r1, lo1, hi1);
-                    e4m3x4_to_bf16(r2, lo2, hi2);
-                    e4m3x4_to_bf16(r3, lo3, hi3);
+                    e4m3x4_to_bf16<STAGED, W8 == 3>(r0, lo0, hi0);
+                    e4m3x4_to_bf16<STAGED, W8 == 3>(r1, lo1, hi1);
+                    e4m3x4_to_bf16<STAGED, W8 == 3>(r2, lo2, hi2);
+                    e4m3x4_to_bf16<STAGED, W8 == 3>(r3, lo3, hi3);
 #pragma unroll
                     for (int n = 0; n < NT; ++n) {
                         mma_bf16(part[t][n], lo0, lo1, hi0, hi1, b[0][n][0], b[0][n][1]);
@@ -352,7 +484,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
             const int k0 = warp * (KT / SG_COMPUTE_WARPS) + kk;  // stage column of this MMA step
             const unsigned box = k0 / 64, chunk = (k0 % 64) / 8;
             unsigned b[NT][2];
-            const unsigned xa = XRES ? b_res + 2 * ((i % ktiles) * KT + k0)
+            const unsigned xa = XRES ? b_res + 2 * (kt() * KT + k0)
                                      : base + BOXES * WBOX + box * XBOX + b_row + (((chunk + b_half) ^ key) << 4);
             if (NT == 2) ldmatrix_x4(xa, b[0][0], b[0][1], b[NT - 1][0], b[NT - 1][1]);
             else ldmatrix_x2(xa, b[0][0], b[0][1]);
@@ -369,7 +501,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
         __syncwarp();
         if (lane == 0) mbar_arrive(empty0 + 8 * s);
 
-        if ((i + 1) % ktiles) continue;
+        if (STAGED ? ring_kt + 1 != ktiles : (i + 1) % ktiles != 0) continue;
         // End of a row block: add the four warps' partials in a fixed order and write the outputs.
         float* mine = &acc[0][0][0];
         if (warp > 0) {
@@ -377,7 +509,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
             for (int r = 0; r < NACC; ++r) red[((warp - 1) * NACC + r) * 32 + lane] = mine[r];
         }
         asm volatile("bar.sync 1, %0;" ::"n"(32 * SG_COMPUTE_WARPS) : "memory");
-        const int row0 = (blockIdx.x + (i / ktiles) * gridDim.x) * 16 * T;
+        const int row0 = (blockIdx.x + blk() * gridDim.x) * 16 * T;
         if (warp == 0) {
             for (int p = 0; p < SG_COMPUTE_WARPS - 1; ++p) {
 #pragma unroll

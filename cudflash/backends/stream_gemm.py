@@ -29,7 +29,8 @@ FP8 weights (fp8_weight.Fp8Weight: E4M3 codes [N, K] with float32 scales per 128
 row) stream through the same kernel (its W8 instantiations, compiled as a module of their own so that the bf16
 build is unchanged): half the weight bytes per stage, the codes decoded to bf16 on chip (exactly), each 64-column
 partial sum scaled in float32. Every epilogue works the same; the plan is a function of (N, K, the weight's format)
-and the device, still never of M.
+and the device, still never of M. Which W8 kernel runs is the tuning's `fp8_gemm` (the variants the .cu header
+describes, each a module of its own), and with x resident the ring may be deeper (`fp8_resident_stages`).
 """
 from __future__ import annotations
 
@@ -43,8 +44,8 @@ import cupy
 from cudflash.backends import kernel_loader, pdl
 from cudflash.backends.base import DeferredNorm
 from cudflash.backends.cuda_util import i32
-from cudflash.backends.fp8_weight import Fp8Weight
-from cudflash.backends.tuning import CudaTuning
+from cudflash.backends.fp8_weight import SCALE_COLS, Fp8Weight
+from cudflash.backends.tuning import FP8_GEMM_VARIANTS, CudaTuning
 from cudflash.errors import BackendError
 
 MAX_ROWS = 16  # two token tiles of 8
@@ -75,13 +76,25 @@ class Plan:
     @staticmethod
     def stage_bytes(t: int, x_resident: bool = False, w8: bool = False) -> int:
         """One ring stage: the weight's KT columns of 16 t rows (bf16, or one byte per code: w8), and KT / BOX_K x
-        boxes [16][BOX_K] bf16 unless x is resident."""
-        return 16 * t * KT * (1 if w8 else 2) + (0 if x_resident else KT // BOX_K * 16 * BOX_K * 2)
+        boxes [16][BOX_K] bf16 unless x is resident; w8: and the stage's staged scales, 2 x 16 t float32 (used by
+        the variants that stage them, reserved for all: the plan does not depend on the variant)."""
+        return (16 * t * KT * (1 if w8 else 2) + (0 if x_resident else KT // BOX_K * 16 * BOX_K * 2)
+                + (KT // SCALE_COLS * 16 * t * 4 if w8 else 0))
 
-    def smem(self, x_bytes: int | None = None) -> int:
-        """Dynamic shared memory to request, with x's rows resident (`x_bytes`) or in boxes (None): at least
-        SMEM_BUDGET, which keeps two CTAs off one SM."""
-        ring = self.stages * self.stage_bytes(self.t, x_bytes is not None, self.w8)
+    def ring_stages(self, x_bytes: int | None, tuning: CudaTuning) -> int:
+        """The ring's depth for a launch: `stages`, except an FP8 weight with x resident under
+        tuning.fp8_resident_stages = N > 0: up to N stages (at most 16), as many as SMEM_BUDGET holds beside x (a
+        stage of codes is small). The depth only says how far ahead the copies run, never which MMAs run in which
+        order: no bit depends on it."""
+        if not self.w8 or x_bytes is None or not tuning.fp8_resident_stages:
+            return self.stages
+        free = SMEM_BUDGET - self.fixed_bytes(self.t) - x_bytes
+        return max(2, min(16, tuning.fp8_resident_stages, free // self.stage_bytes(self.t, True, True)))
+
+    def smem(self, x_bytes: int | None = None, stages: int | None = None) -> int:
+        """Dynamic shared memory to request, with x's rows resident (`x_bytes`) or in boxes (None) and a ring of
+        `stages` (default the plan's): at least SMEM_BUDGET, which keeps two CTAs off one SM."""
+        ring = (stages or self.stages) * self.stage_bytes(self.t, x_bytes is not None, self.w8)
         return max(SMEM_BUDGET, self.fixed_bytes(self.t) + ring + (x_bytes or 0))
 
     @staticmethod
@@ -213,19 +226,19 @@ def tensor_map(ptr: int, rows: int, cols: int, row_stride: int, box_rows: int, i
     return out
 
 
-def _name(t: int, nt: int, y: str, epilogue: int, x_resident: bool, w8: bool) -> str:
-    return (f"stream_gemm<{t}, {nt}, {KT}, {y}, {epilogue}, {'true' if x_resident else 'false'}, "
-            f"{'true' if w8 else 'false'}>")
+def _name(t: int, nt: int, y: str, epilogue: int, x_resident: bool, w8: int) -> str:
+    """The instantiation; w8 0 for a bf16 weight, else the FP8 variant (tuning.fp8_gemm)."""
+    return f"stream_gemm<{t}, {nt}, {KT}, {y}, {epilogue}, {'true' if x_resident else 'false'}, {w8}>"
 
 
-def _names(w8: bool) -> tuple[str, ...]:
+def _names(w8: int) -> tuple[str, ...]:
     return tuple(_name(t, nt, y, e, res, w8) for t in (1, 2, 3, 4) for nt, res in ((1, False), (2, False), (1, True))
                  for y, e in (("float", PLAIN), ("bf16", PLAIN), ("float", ADD_NORM), ("float", ROW_SCALE),
                               ("bf16", ROW_SCALE), ("bf16", SWIGLU), ("bf16", ROW_SCALE | SWIGLU)))
 
 
-_NAMES = _names(False)  # the bf16 module
-_NAMES_W8 = _names(True)  # the FP8 module: the same source, compiled apart
+_NAMES = _names(0)  # the bf16 module
+_NAMES_W8 = {v: _names(v) for v in FP8_GEMM_VARIANTS}  # an FP8 module per variant: the same source, compiled apart
 
 
 def stream_gemm(x: cupy.ndarray, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
@@ -259,8 +272,20 @@ def row_scaled(x: DeferredNorm, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, nu
             Epilogue(ssq=part.ssq.data.ptr, parts=part.ssq.shape[0], width=part.normed.shape[1], eps=x.eps))
 
 
+def kernel_name(m: int, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
+                epilogue: int = PLAIN) -> str:
+    """The instantiation a launch for x [m, K] @ w.T into y takes (a microbench compiles just the ones it needs:
+    `_launch`'s `names`)."""
+    n, k = w.shape
+    w8 = isinstance(w, Fp8Weight)
+    plan = plan_for(n, k, num_sms, w8)
+    return _name(plan.t, 1 if m <= 8 else 2, _Y[y.dtype.name], epilogue, resident_x_bytes(m, k, w8) is not None,
+                 tuning.fp8_gemm if w8 else 0)
+
+
 def _launch(x: cupy.ndarray, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
-            epilogue: int, epi: Epilogue) -> None:
+            epilogue: int, epi: Epilogue, names: tuple[str, ...] | None = None) -> None:
+    """names: the instantiations to compile into the module (default: all of the weight format's)."""
     m, k = x.shape
     n = w.shape[0]
     w8 = isinstance(w, Fp8Weight)
@@ -268,9 +293,11 @@ def _launch(x: cupy.ndarray, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_s
         raise BackendError(f"stream_gemm swiglu: weight rows {n} (need a multiple of 16), y {y.shape} {y.dtype}")
     plan = plan_for(n, k, num_sms, w8)
     x_bytes = resident_x_bytes(m, k, w8)
-    name = _name(plan.t, 1 if m <= 8 else 2, _Y[y.dtype.name], epilogue, x_bytes is not None, w8)
-    kern = kernel_loader.function("stream_gemm", name, _NAMES_W8 if w8 else _NAMES, tuning=tuning)
-    smem = plan.smem(x_bytes)
+    name = kernel_name(m, w, y, num_sms, tuning, epilogue)
+    kern = kernel_loader.function("stream_gemm", name, names or (_NAMES_W8[tuning.fp8_gemm] if w8 else _NAMES),
+                                  tuning=tuning)
+    stages = plan.ring_stages(x_bytes, tuning)
+    smem = plan.smem(x_bytes, stages)
     kern.reserve_shared(smem)
     ldx = x.strides[0] // x.itemsize if m > 1 else k
     if w8:
@@ -280,8 +307,7 @@ def _launch(x: cupy.ndarray, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_s
         wmap, scales = tensor_map(w.data.ptr, n, k, k, 16 * plan.t), WeightScales()
     xmap = tensor_map(x.data.ptr, m, k, ldx, 16) if x_bytes is None else _x_rows(x.data.ptr, 2 * ldx)
     stream = cupy.cuda.get_current_stream()
-    args = (wmap, xmap, y, i32(m), i32(n), i32(k), i32(plan.stages), i32(tuning.stream_gemm_prefill_stages), epi,
-            scales)
+    args = (wmap, xmap, y, i32(m), i32(n), i32(k), i32(stages), i32(tuning.stream_gemm_prefill_stages), epi, scales)
     pdl.launch(kern.raw, (plan.grid,), (THREADS,), args, smem, stream, programmatic=kern.programmatic(stream))
 
 
