@@ -14,8 +14,8 @@
 // Work: w's rows form blocks of 16 T; CTA b takes blocks b, b + gridDim.x, ... and streams each in K tiles of
 // KT columns: one ring stage holds a tile's KT / 64 weight boxes and KT / 64 x boxes (layout below).
 // Warps: 0..3 compute, warp 4 copies (its lane 0 arms a stage's barrier with the byte count and issues the
-// stage's 2 KT / 64 box copies; W8 >= 2: all its lanes also stage the scales, below). Barriers: full[s] (1 arrival +
-// the bytes; W8 >= 2: 1 + 32 arrivals), empty[s] (one per compute warp).
+// stage's 2 KT / 64 box copies; W8: all its lanes also stage the scales, below). Barriers: full[s] (1 arrival +
+// the bytes; W8: 1 + 32 arrivals), empty[s] (one per compute warp).
 // Before griddepcontrol.wait the copy warp requests the weight boxes of the first `prefill` stages; the rest of the
 // ring and x's boxes follow the wait. (A stage or two is the head start; a full ring's prefill only competes with
 // the latency-bound kernels in front for HBM: the tuning's stream_gemm_prefill_stages.)
@@ -54,28 +54,28 @@
 // steps, from zero) and adds that partial times the row's scale to its accumulators: the codes enter the MMA as
 // exact bf16 values, the scale is applied once per 64 columns in float32 (no bf16 rounding of code * scale), and
 // the summation order still depends on (K, KT) alone. The epilogues are the same.
+// Scales: the copy warp stages them with the codes. With each stage's weight boxes its 32 lanes copy the stage's
+// 2 x 16 T scales (the block's 16 T rows, the stage's two scale columns) into scs[stage] by cp.async, counted on
+// full[s] by one cp.async.mbarrier.arrive.noinc per lane (full[s] expects 1 + 32 arrivals); the compute warps read
+// them from shared memory after the full wait. (Loaded by the compute warps at the top of each stage, the scales
+// cost every stage one dependent L2 / HBM round trip: the GEMM ran at half the copy bandwidth, BENCHMARKS.md.) The
+// copy warp fetches the row map of block b + 1 while it issues block b, the first ones before griddepcontrol.wait
+// (they are weights). Both warps count a stage's slot, phase, k tile and block rather than divide by run-time values.
 // Codes to bf16: ldmatrix of a [16 rows][32 bytes] region gives each lane 4 consecutive codes of a row (bytes 4c ..
-// 4c + 3, c = lane % 4) per register; e4m3x4_to_bf16 turns them into bf16 pairs (4c, 4c + 2) and (4c + 1, 4c + 3),
-// exactly. So the MMA's k index is a permutation of the 16 columns of a step (logical 2c, 2c + 1 <- columns 4c, 4c + 2;
+// 4c + 3, c = lane % 4) per register; e4m3x4_to_bf16 turns them into bf16 pairs (4c, 4c + 2) and (4c + 1, 4c + 3)
+// by bit placement alone: each bf16 is the code's value times 2^-120 exactly (a bf16 subnormal for a subnormal
+// code; the MMA takes subnormal inputs as they are). The 2^120 is restored outside the MMA, in powers of two that are
+// exact: x's bf16 pairs are multiplied by 2^64 (for |x| < 2^64) and the scale by 2^56 (below 2^72), so a partial sum
+// is the exact products' sum times 2^-56 and the scaled sum is the float that code * x * scale sums would give
+// (unless a product falls below 2^-126, i.e. |x| < 2^-61, where a contribution of relative size 2^-60 is lost).
+// The MMA's k index is a permutation of the 16 columns of a step (logical 2c, 2c + 1 <- columns 4c, 4c + 2;
 // 8 + 2c, 9 + 2c <- 4c + 1, 4c + 3), and each lane reads x's 4 columns 4c .. 4c + 3 (8 bytes) and permutes them the
 // same way: a dot product is a sum over k in any order of the same products. NaN codes (0x7F, 0xFF) are not decoded
 // as NaN (the loader refuses non-finite weights before they get here).
-// W8 variants (the template's W8: 0 is bf16), under A/B (stream_gemm.py, tuning.fp8_gemm), the same bits (3 with the
-// one exception below):
-//   1  each compute warp loads its rows' scales from global memory at the top of the stage (a dependent round trip
-//      that every stage waits for at its end).
-//   2  the copy warp stages the scales: with each stage's weight boxes its 32 lanes copy the stage's 2 x 16 T scales
-//      (the block's 16 T rows, the stage's two scale columns) into scs[stage] by cp.async, counted on full[s] by one
-//      cp.async.mbarrier.arrive.noinc per lane (full[s] then expects 1 + 32 arrivals); the compute warps read them
-//      from shared memory after the full wait, so the scales' latency hides in the ring like the weight's. The copy
-//      warp fetches the row map of block b + 1 while it issues block b (the first ones before the wait: weights).
-//      Both warps count the stage's slot, phase, k tile and block instead of dividing by run-time values, and the
-//      decode's low halves take one prmt (e4m3x4_to_bf16's PRMT).
-//   3  as 2, with a cheaper decode: the bits placed as in e4m3x4_to_bf16 but no multiply, i.e. the codes' values
-//      times 2^-120 (a bf16 subnormal for a subnormal code, which the MMA takes as it is); x's pairs are multiplied
-//      by 2^64 instead (exact in bf16 for |x| < 2^64) and the scale by 2^56 (exact below 2^72), so the partial sums
-//      are W8 1's times 2^-56 exactly and the scaled sums the same floats (unless products fall below 2^-126, i.e.
-//      |x| < 2^-61).
+// W8 variants under A/B (the template's W8: 0 is bf16; stream_gemm.py, tuning.fp8_gemm): 3 is the above; 4 sums
+// each warp's 64 columns in two independent chains of two MMA steps (columns 0..31 and 32..63, added before the
+// scale) instead of one chain of four, halving the dependent MMA latency in a stage (other bits than 3's, still a
+// function of (K, KT) alone).
 #include "mma.cuh"
 
 #define SG_PLAIN 0
@@ -131,32 +131,20 @@ struct WeightScales {
     const int* rows;     // [N] int32: scale row of each weight row
     int cols;            // scale columns: ceil(K / SG_W8_BLOCK)
 };
-// Four E4M3 codes (bytes b0..b3 of r) -> bf16 pairs lo = (b0, b2), hi = (b1, b3), exactly: with a code in the high
-// byte of a 16-bit half, (h & 0x8000) | ((h & 0x7F00) >> 4) is the bf16 whose exponent field is the code's and whose
-// mantissa is the code's 3 bits (a bf16 subnormal for a code subnormal), i.e. the code's value times 2^-120, and one
-// exact bf16 multiply by 2^120 (fma with -0, subnormal inputs kept) restores it (SCALED: W8 3 keeps the 2^-120).
-// PRMT (W8 >= 2): the low bytes' halves in three instructions instead of four, the same bits: prmt's sign mode
-// makes each half [8 copies of the code's sign][code], and << 4 then & 0x87F0 keeps one sign bit at bit 15 and the
-// code's 7 low bits at bits 10..4.
-template <bool PRMT = false, bool SCALED = false>
+// Four E4M3 codes (bytes b0..b3 of r) -> bf16 pairs lo = (b0, b2), hi = (b1, b3), each the code's value times 2^-120
+// exactly: with a code in the high byte of a 16-bit half, (h & 0x8000) | ((h & 0x7F00) >> 4) is the bf16 whose
+// exponent field is the code's and whose mantissa is the code's 3 bits (a bf16 subnormal for a code subnormal). The
+// low bytes take one prmt in sign mode, which makes each half [8 copies of the code's sign][code]: << 4 then
+// & 0x87F0 keeps one sign bit at bit 15 and the code's 7 low bits at bits 10..4 (three instructions, not four).
 __device__ __forceinline__ void e4m3x4_to_bf16(unsigned r, unsigned& lo, unsigned& hi) {
     const unsigned h = (r & 0x80008000u) | ((r & 0x7F007F00u) >> 4);
     unsigned l;
-    if constexpr (PRMT) {
-        asm("prmt.b32 %0, %1, 0, 0xA280;" : "=r"(l) : "r"(r));  // bytes b0, sign(b0), b2, sign(b2)
-        l = (l << 4) & 0x87F087F0u;
-    } else {
-        l = ((r << 8) & 0x80008000u) | ((r & 0x007F007Fu) << 4);
-    }
-    if constexpr (SCALED) {
-        hi = h;
-        lo = l;
-    } else {
-        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(hi) : "r"(h), "r"(0x7B807B80u), "r"(0x80008000u));
-        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(lo) : "r"(l), "r"(0x7B807B80u), "r"(0x80008000u));
-    }
+    asm("prmt.b32 %0, %1, 0, 0xA280;" : "=r"(l) : "r"(r));  // bytes b0, sign(b0), b2, sign(b2)
+    l = (l << 4) & 0x87F087F0u;
+    hi = h;
+    lo = l;
 }
-// A bf16 pair times 2^64, exactly for |x| < 2^64 (fma with -0: a zero keeps its sign, subnormals are kept): W8 3's x.
+// A bf16 pair times 2^64, exactly for |x| < 2^64 (fma with -0: a zero keeps its sign, subnormals are kept).
 __device__ __forceinline__ unsigned bf16x2_times_2_64(unsigned x) {
     unsigned y;
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(y) : "r"(x), "r"(0x5F805F80u), "r"(0x80008000u));
@@ -182,7 +170,7 @@ __device__ __forceinline__ void store_y(bf16* p, float v) { *p = __float2bfloat1
 // box rows of 128 bytes in the 128-byte swizzle (16-byte chunk j of row r sits at chunk j ^ (r % 8): ldmatrix's
 // eight rows hit eight different banks); XRES: then x's M rows of K bf16, XROW = 2 K + 16 bytes apart (W8: + 32, so
 // the eight-byte reads of eight rows g at 8 c hit distinct banks); then the partials red[3][T][NT][4][32] float32;
-// then full[stages], empty[stages] and (XRES) the x barrier; W8 >= 2: then, 16 bytes past the x barrier's slot, the
+// then full[stages], empty[stages] and (XRES) the x barrier; W8: then, 16 bytes past the x barrier's slot, the
 // staged scales scs[stages][2][16 T] float32 ([stage][scale column of the stage][row of the block]). stream_gemm.py
 // computes the same size.
 // XRES: xmap is no tensor map but {x's address, its row stride in bytes} in its first two words.
@@ -207,7 +195,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     const unsigned xs = ring + stages * STAGE, xrow = 2 * K + (W8 ? 32 : 16);  // XRES: x's rows
     float* red = reinterpret_cast<float*>(smem + (size_t)stages * STAGE + (XRES ? M * xrow : 0));  // [3][NACC][32]
     const unsigned full0 = smem_addr(red + 3 * NACC * 32), empty0 = full0 + 8 * stages, xbar = empty0 + 8 * stages;
-    constexpr bool STAGED = W8 >= 2;  // the copy warp stages the scales (W8 2 and 3)
+    constexpr bool STAGED = W8 != 0;  // FP8: the copy warp stages the scales
     const unsigned scs = xbar + 16;   // STAGED: scs[stages][2][16 T]
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -227,7 +215,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     __syncthreads();
 
     if (warp == SG_COMPUTE_WARPS) {  // ------------------------------------------------------------ copy warp
-        // Lane 0 arms the barriers and issues the bulk copies; STAGED, all 32 lanes stage the scales besides.
+        // Lane 0 arms the barriers and issues the bulk copies; STAGED (FP8), all 32 lanes stage the scales besides.
         if (!STAGED && lane != 0) return;
         unsigned long long evict_first, evict_last;  // the weight is read once per step; x by every CTA
         asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(evict_first));
@@ -364,9 +352,6 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     // with x in boxes the early loads are cheaper than exposed ones at the end); the running sums of r^2 of this
     // lane's rows m = 8 n + 2 c + e over all of the CTA's blocks.
     float res[EPI == SG_ADD_NORM ? T : 1][NT][4], nw[EPI == SG_ADD_NORM ? T : 1][2], ss[NT][2] = {};
-    // W8 1: the offsets scale + rows[f] * cols of this lane's weight rows f = row0 + 16 t + g + 8 h (-1 past N).
-    int srow[W8 == 1 ? T : 1][2];
-
     // STAGED: stage i's slot i % stages, its phase (i / stages) & 1, its k tile i % ktiles and its block i / ktiles
     // are counted, not divided (integer divisions by run-time values cost ~50 instructions a stage); otherwise they
     // are divided where they are used (kt(), blk()).
@@ -380,23 +365,6 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
         auto blk = [&]() { return STAGED ? ring_blk : i / ktiles; };
         const int s = STAGED ? ring_s : i % stages;
         float sc0[W8 ? T : 1][2];  // W8: this stage's scale of each of the lane's rows (its warp's scale column)
-        if constexpr (W8 == 1) {
-            if (kt() == 0) {
-                const int row0 = (blockIdx.x + blk() * gridDim.x) * 16 * T;
-#pragma unroll
-                for (int t = 0; t < T; ++t)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int f = row0 + 16 * t + g + 8 * h;
-                        srow[t][h] = f < N ? wsc.rows[f] * wsc.cols : -1;
-                    }
-            }
-            const int kb = (kt() * KT + warp * (KT / SG_COMPUTE_WARPS)) / SG_W8_BLOCK;
-#pragma unroll
-            for (int t = 0; t < T; ++t)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) sc0[t][h] = srow[t][h] >= 0 ? wsc.scale[srow[t][h] + kb] : 0.f;
-        }
         if constexpr (EPI == SG_ADD_NORM && !XRES) if (warp == 0 && kt() == 0) {
             const int row0 = (blockIdx.x + blk() * gridDim.x) * 16 * T;
 #pragma unroll
@@ -417,24 +385,29 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
         mbar_wait(full0 + 8 * s, STAGED ? ring_phase : (i / stages) & 1);
         const unsigned base = ring + s * STAGE;
         if constexpr (STAGED) {
-            // scs[s][warp / 2][16 t + g + 8 h] (W8 3: times 2^56, exact below 2^72), read now, used after the MMAs.
+            // scs[s][warp / 2][16 t + g + 8 h] times 2^56 (exact below 2^72), read now, used after the MMAs.
             const unsigned at = scs + 4 * (s * 32 * T + (warp >> 1) * 16 * T + g);
 #pragma unroll
             for (int t = 0; t < T; ++t)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     sc0[t][h] = lds32(at + 4 * (16 * t + 8 * h));
-                    if constexpr (W8 == 3) sc0[t][h] *= __int_as_float(0x5B800000);  // 2^56
+                    sc0[t][h] *= __int_as_float(0x5B800000);  // 2^56
                 }
         }
         if constexpr (W8 != 0) {
             // This warp's 64 columns: bytes [64 (warp % 2), + 64) of weight box warp / 2 and x box warp (or x's
-            // resident columns), in two rounds of 32 columns = two MMA steps.
-            float part[T][NT][4];
+            // resident columns), in two rounds of 32 columns = two MMA steps; W8 4: each round's own partial sums
+            // (CH = 2 chains), added before the scale.
+            constexpr int CH = W8 == 4 ? 2 : 1;
+            float part[CH][T][NT][4];
 #pragma unroll
-            for (int t = 0; t < T; ++t)
+            for (int h = 0; h < CH; ++h)
 #pragma unroll
-                for (int n = 0; n < NT; ++n) part[t][n][0] = part[t][n][1] = part[t][n][2] = part[t][n][3] = 0.f;
+                for (int t = 0; t < T; ++t)
+#pragma unroll
+                    for (int n = 0; n < NT; ++n)
+                        part[h][t][n][0] = part[h][t][n][1] = part[h][t][n][2] = part[h][t][n][3] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < 64; kk += 32) {
                 unsigned b[2][NT][2];  // [MMA step][token tile][register]
@@ -450,10 +423,8 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                         lds64(xa, x0, x1);
                         b[step][n][0] = __byte_perm(x0, x1, 0x5410);  // x[e], x[e + 2]
                         b[step][n][1] = __byte_perm(x0, x1, 0x7632);  // x[e + 1], x[e + 3]
-                        if constexpr (W8 == 3) {
-                            b[step][n][0] = bf16x2_times_2_64(b[step][n][0]);
-                            b[step][n][1] = bf16x2_times_2_64(b[step][n][1]);
-                        }
+                        b[step][n][0] = bf16x2_times_2_64(b[step][n][0]);  // restores 2^64 of the codes' 2^-120
+                        b[step][n][1] = bf16x2_times_2_64(b[step][n][1]);
                     }
                 const unsigned wa = base + (warp >> 1) * WBOX + a_row +
                                     (((((warp & 1) * 64 + kk) / 16 + a_half) ^ key) << 4);
@@ -461,14 +432,14 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                 for (int t = 0; t < T; ++t) {
                     unsigned r0, r1, r2, r3, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3;
                     ldmatrix_x4(wa + t * 16 * 128, r0, r1, r2, r3);  // rows g, g + 8 of columns 4c.., 16 + 4c..
-                    e4m3x4_to_bf16<STAGED, W8 == 3>(r0, lo0, hi0);
-                    e4m3x4_to_bf16<STAGED, W8 == 3>(r1, lo1, hi1);
-                    e4m3x4_to_bf16<STAGED, W8 == 3>(r2, lo2, hi2);
-                    e4m3x4_to_bf16<STAGED, W8 == 3>(r3, lo3, hi3);
+                    e4m3x4_to_bf16(r0, lo0, hi0);
+                    e4m3x4_to_bf16(r1, lo1, hi1);
+                    e4m3x4_to_bf16(r2, lo2, hi2);
+                    e4m3x4_to_bf16(r3, lo3, hi3);
 #pragma unroll
                     for (int n = 0; n < NT; ++n) {
-                        mma_bf16(part[t][n], lo0, lo1, hi0, hi1, b[0][n][0], b[0][n][1]);
-                        mma_bf16(part[t][n], lo2, lo3, hi2, hi3, b[1][n][0], b[1][n][1]);
+                        mma_bf16(part[kk / 32 % CH][t][n], lo0, lo1, hi0, hi1, b[0][n][0], b[0][n][1]);
+                        mma_bf16(part[kk / 32 % CH][t][n], lo2, lo3, hi2, hi3, b[1][n][0], b[1][n][1]);
                     }
                 }
             }
@@ -477,7 +448,9 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
 #pragma unroll
                 for (int n = 0; n < NT; ++n)
 #pragma unroll
-                    for (int r = 0; r < 4; ++r) acc[t][n][r] += sc0[t][r >> 1] * part[t][n][r];
+                    for (int r = 0; r < 4; ++r)
+                        acc[t][n][r] += sc0[t][r >> 1] * (CH == 2 ? part[0][t][n][r] + part[CH - 1][t][n][r]
+                                                                  : part[0][t][n][r]);
         } else {
 #pragma unroll
         for (int kk = 0; kk < KT / SG_COMPUTE_WARPS; kk += 16) {

@@ -30,7 +30,7 @@ row) stream through the same kernel (its W8 instantiations, compiled as a module
 build is unchanged): half the weight bytes per stage, the codes decoded to bf16 on chip (exactly), each 64-column
 partial sum scaled in float32. Every epilogue works the same; the plan is a function of (N, K, the weight's format)
 and the device, still never of M. Which W8 kernel runs is the tuning's `fp8_gemm` (the variants the .cu header
-describes, each a module of its own), and with x resident the ring may be deeper (`fp8_resident_stages`).
+describes, each a module of its own).
 """
 from __future__ import annotations
 
@@ -76,25 +76,15 @@ class Plan:
     @staticmethod
     def stage_bytes(t: int, x_resident: bool = False, w8: bool = False) -> int:
         """One ring stage: the weight's KT columns of 16 t rows (bf16, or one byte per code: w8), and KT / BOX_K x
-        boxes [16][BOX_K] bf16 unless x is resident; w8: and the stage's staged scales, 2 x 16 t float32 (used by
-        the variants that stage them, reserved for all: the plan does not depend on the variant)."""
+        boxes [16][BOX_K] bf16 unless x is resident; w8: and the stage's scales, KT / 128 x 16 t float32 (the
+        copy warp stages them beside the codes)."""
         return (16 * t * KT * (1 if w8 else 2) + (0 if x_resident else KT // BOX_K * 16 * BOX_K * 2)
                 + (KT // SCALE_COLS * 16 * t * 4 if w8 else 0))
 
-    def ring_stages(self, x_bytes: int | None, tuning: CudaTuning) -> int:
-        """The ring's depth for a launch: `stages`, except an FP8 weight with x resident under
-        tuning.fp8_resident_stages = N > 0: up to N stages (at most 16), as many as SMEM_BUDGET holds beside x (a
-        stage of codes is small). The depth only says how far ahead the copies run, never which MMAs run in which
-        order: no bit depends on it."""
-        if not self.w8 or x_bytes is None or not tuning.fp8_resident_stages:
-            return self.stages
-        free = SMEM_BUDGET - self.fixed_bytes(self.t) - x_bytes
-        return max(2, min(16, tuning.fp8_resident_stages, free // self.stage_bytes(self.t, True, True)))
-
-    def smem(self, x_bytes: int | None = None, stages: int | None = None) -> int:
-        """Dynamic shared memory to request, with x's rows resident (`x_bytes`) or in boxes (None) and a ring of
-        `stages` (default the plan's): at least SMEM_BUDGET, which keeps two CTAs off one SM."""
-        ring = (stages or self.stages) * self.stage_bytes(self.t, x_bytes is not None, self.w8)
+    def smem(self, x_bytes: int | None = None) -> int:
+        """Dynamic shared memory to request, with x's rows resident (`x_bytes`) or in boxes (None): at least
+        SMEM_BUDGET, which keeps two CTAs off one SM."""
+        ring = self.stages * self.stage_bytes(self.t, x_bytes is not None, self.w8)
         return max(SMEM_BUDGET, self.fixed_bytes(self.t) + ring + (x_bytes or 0))
 
     @staticmethod
@@ -296,8 +286,7 @@ def _launch(x: cupy.ndarray, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_s
     name = kernel_name(m, w, y, num_sms, tuning, epilogue)
     kern = kernel_loader.function("stream_gemm", name, names or (_NAMES_W8[tuning.fp8_gemm] if w8 else _NAMES),
                                   tuning=tuning)
-    stages = plan.ring_stages(x_bytes, tuning)
-    smem = plan.smem(x_bytes, stages)
+    smem = plan.smem(x_bytes)
     kern.reserve_shared(smem)
     ldx = x.strides[0] // x.itemsize if m > 1 else k
     if w8:
@@ -307,7 +296,8 @@ def _launch(x: cupy.ndarray, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_s
         wmap, scales = tensor_map(w.data.ptr, n, k, k, 16 * plan.t), WeightScales()
     xmap = tensor_map(x.data.ptr, m, k, ldx, 16) if x_bytes is None else _x_rows(x.data.ptr, 2 * ldx)
     stream = cupy.cuda.get_current_stream()
-    args = (wmap, xmap, y, i32(m), i32(n), i32(k), i32(stages), i32(tuning.stream_gemm_prefill_stages), epi, scales)
+    args = (wmap, xmap, y, i32(m), i32(n), i32(k), i32(plan.stages), i32(tuning.stream_gemm_prefill_stages), epi,
+            scales)
     pdl.launch(kern.raw, (plan.grid,), (THREADS,), args, smem, stream, programmatic=kern.programmatic(stream))
 
 

@@ -40,13 +40,9 @@ class CudaTuning:
     # linear ops read them (fp8_weight.py). Off: dequantized to bf16 at load. Off by default while the FP8 path is
     # slower where it counts: its many-row path makes a verify at batch 8 2.7x slower than bf16 (BENCHMARKS.md).
     fp8_on_device: bool = False
-    # The FP8 streaming GEMM's variant (kernels/stream_gemm.cu, its W8 template argument), under A/B: 1 loads each
-    # stage's block scales in the compute warps; 2 stages them through the ring with the codes; 3 is 2 with the
-    # decode's bf16 multiply folded into x and the scale. The same bits, unless an activation is below 2^-61.
-    fp8_gemm: int = 1
-    # With x's rows resident (decode), the FP8 ring's depth: 0 keeps the plan's (sized as if x came in boxes), N
-    # takes up to N stages (at most 16), as many as the shared memory holds. No bit depends on it.
-    fp8_resident_stages: int = 0
+    # The FP8 streaming GEMM's variant (kernels/stream_gemm.cu, its W8 template argument), under A/B: 3 sums a
+    # warp's 64 columns of a stage in one chain of four MMA steps, 4 in two chains of two.
+    fp8_gemm: int = 3
     # A folder to compile the CUDA sources from instead of the package's: an A/B of kernel code in one checkout.
     kernel_dir: str | None = None
     # Extra NVRTC options for every module, e.g. -lineinfo, or the step timeline's -DCF_TRACE
@@ -63,7 +59,7 @@ class CudaTuning:
                   tuple: isinstance(value, tuple) and all(isinstance(v, str) for v in value)}[kind]
             if not ok:
                 raise ConfigError(f"tuning.{f}: expected {_DESCRIBE[kind]}, got {value!r}")
-        for f in ("stream_gemm_prefill_stages", "stream_gemm_min_bytes", "invariant_max_context", "fp8_resident_stages"):
+        for f in ("stream_gemm_prefill_stages", "stream_gemm_min_bytes", "invariant_max_context"):
             if getattr(self, f) < 0:
                 raise ConfigError(f"tuning.{f}: expected a non-negative integer, got {getattr(self, f)}")
         if self.fp8_gemm not in FP8_GEMM_VARIANTS:
@@ -83,7 +79,7 @@ class CudaTuning:
 # The row-invariant attention shape splits the keys into one 64-key tile per CTA, and the split merge takes at most 64
 # splits (cuda_attention.BN, MAX_SPLITS).
 INVARIANT_CONTEXT_LIMIT = 64 * 64
-FP8_GEMM_VARIANTS = (1, 2, 3)  # the W8 template arguments of kernels/stream_gemm.cu
+FP8_GEMM_VARIANTS = (3, 4)  # the W8 template arguments of kernels/stream_gemm.cu
 _DESCRIBE = {bool: "true or false", int: "an integer", str: "a path or none", tuple: "NVRTC options"}
 
 
