@@ -75,7 +75,8 @@
 // W8 variants under A/B (the template's W8: 0 is bf16; stream_gemm.py, tuning.fp8_gemm): 3 is the above; 4 sums
 // each warp's 64 columns in two independent chains of two MMA steps (columns 0..31 and 32..63, added before the
 // scale) instead of one chain of four, halving the dependent MMA latency in a stage (other bits than 3's, still a
-// function of (K, KT) alone).
+// function of (K, KT) alone), and with x resident multiplies x's rows by 2^64 once, in place, instead of the pairs
+// each stage reads (in front of the stage's first MMA).
 #include "mma.cuh"
 
 #define SG_PLAIN 0
@@ -347,6 +348,16 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     // W8, XRES: lane -> x row g (row 0 again past M), its eight-byte reads at columns 4c.
     const unsigned b_res8 = xs + (g < M ? g : 0) * xrow;
     if constexpr (XRES) mbar_wait(xbar, 0);
+    if constexpr (XRES && W8 == 4) {  // x's resident rows times 2^64, in place, once
+        for (int m = 0; m < M; ++m)
+            for (int w = threadIdx.x; w < K / 2; w += 32 * SG_COMPUTE_WARPS) {
+                const unsigned at = xs + m * xrow + 4 * w;
+                unsigned v;
+                asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(at));
+                asm volatile("st.shared.u32 [%0], %1;" ::"r"(at), "r"(bf16x2_times_2_64(v)) : "memory");
+            }
+        asm volatile("bar.sync 1, %0;" ::"n"(32 * SG_COMPUTE_WARPS) : "memory");
+    }
     // SG_ADD_NORM, warp 0: the block's residual and norm weight, requested when the block starts and used at its
     // end (XRES: read where they are used, since with x resident the MMA steps would wait for the early loads;
     // with x in boxes the early loads are cheaper than exposed ones at the end); the running sums of r^2 of this
@@ -423,8 +434,10 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                         lds64(xa, x0, x1);
                         b[step][n][0] = __byte_perm(x0, x1, 0x5410);  // x[e], x[e + 2]
                         b[step][n][1] = __byte_perm(x0, x1, 0x7632);  // x[e + 1], x[e + 3]
-                        b[step][n][0] = bf16x2_times_2_64(b[step][n][0]);  // restores 2^64 of the codes' 2^-120
-                        b[step][n][1] = bf16x2_times_2_64(b[step][n][1]);
+                        if constexpr (!(XRES && W8 == 4)) {  // restores 2^64 of the codes' 2^-120
+                            b[step][n][0] = bf16x2_times_2_64(b[step][n][0]);
+                            b[step][n][1] = bf16x2_times_2_64(b[step][n][1]);
+                        }
                     }
                 const unsigned wa = base + (warp >> 1) * WBOX + a_row +
                                     (((((warp & 1) * 64 + kk) / 16 + a_half) ^ key) << 4);
