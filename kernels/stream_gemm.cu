@@ -51,9 +51,10 @@
 // of [16 T rows][128 columns] (rows of 128 bytes again, the same swizzle), so a stage holds KT / 128 weight boxes:
 // half of bf16's bytes. x stays bf16 (resident rows XROW = 2 K + 32 bytes apart, see below). Each compute warp's 64
 // columns lie inside one 128-column scale block, so per stage a warp sums its 64 columns in float32 (four MMA
-// steps, from zero) and adds that partial times the row's scale to its accumulators: the codes enter the MMA as
-// exact bf16 values, the scale is applied once per 64 columns in float32 (no bf16 rounding of code * scale), and
-// the summation order still depends on (K, KT) alone. The epilogues are the same.
+// steps, as two independent chains of two from zero, columns 0..31 and 32..63, added before the scale: half the
+// dependent MMA latency a stage waits for) and adds that partial times the row's scale to its accumulators: the
+// codes enter the MMA as exact bf16 values, the scale is applied once per 64 columns in float32 (no bf16 rounding
+// of code * scale), and the summation order still depends on (K, KT) alone. The epilogues are the same.
 // Scales: the copy warp stages them with the codes. With each stage's weight boxes its 32 lanes copy the stage's
 // 2 x 16 T scales (the block's 16 T rows, the stage's two scale columns) into scs[stage] by cp.async, counted on
 // full[s] by one cp.async.mbarrier.arrive.noinc per lane (full[s] expects 1 + 32 arrivals); the compute warps read
@@ -64,19 +65,16 @@
 // Codes to bf16: ldmatrix of a [16 rows][32 bytes] region gives each lane 4 consecutive codes of a row (bytes 4c ..
 // 4c + 3, c = lane % 4) per register; e4m3x4_to_bf16 turns them into bf16 pairs (4c, 4c + 2) and (4c + 1, 4c + 3)
 // by bit placement alone: each bf16 is the code's value times 2^-120 exactly (a bf16 subnormal for a subnormal
-// code; the MMA takes subnormal inputs as they are). The 2^120 is restored outside the MMA, in powers of two that are
-// exact: x's bf16 pairs are multiplied by 2^64 (for |x| < 2^64) and the scale by 2^56 (below 2^72), so a partial sum
-// is the exact products' sum times 2^-56 and the scaled sum is the float that code * x * scale sums would give
-// (unless a product falls below 2^-126, i.e. |x| < 2^-61, where a contribution of relative size 2^-60 is lost).
+// code; the MMA takes subnormal inputs as they are). The 2^120 is restored outside the MMA in exact powers of two:
+// x's bf16 pairs are multiplied by 2^64 (exact for |x| < 2^64; resident rows once, in place, when they have landed,
+// x in boxes as each stage reads them) and the scale by 2^56 (exact below 2^72). Scaling every input of a float sum
+// by a power of two scales each rounding with it, so a partial sum is 2^-56 times the one of the codes' values and
+// scale * partial is the same float (unless a product falls below 2^-126, i.e. |x| < 2^-61, where a contribution
+// of relative size 2^-60 is lost).
 // The MMA's k index is a permutation of the 16 columns of a step (logical 2c, 2c + 1 <- columns 4c, 4c + 2;
 // 8 + 2c, 9 + 2c <- 4c + 1, 4c + 3), and each lane reads x's 4 columns 4c .. 4c + 3 (8 bytes) and permutes them the
 // same way: a dot product is a sum over k in any order of the same products. NaN codes (0x7F, 0xFF) are not decoded
 // as NaN (the loader refuses non-finite weights before they get here).
-// W8 variants under A/B (the template's W8: 0 is bf16; stream_gemm.py, tuning.fp8_gemm): 3 is the above; 4 sums
-// each warp's 64 columns in two independent chains of two MMA steps (columns 0..31 and 32..63, added before the
-// scale) instead of one chain of four, halving the dependent MMA latency in a stage (other bits than 3's, still a
-// function of (K, KT) alone), and with x resident multiplies x's rows by 2^64 once, in place, instead of the pairs
-// each stage reads (in front of the stage's first MMA).
 #include "mma.cuh"
 
 #define SG_PLAIN 0
@@ -175,7 +173,7 @@ __device__ __forceinline__ void store_y(bf16* p, float v) { *p = __float2bfloat1
 // staged scales scs[stages][2][16 T] float32 ([stage][scale column of the stage][row of the block]). stream_gemm.py
 // computes the same size.
 // XRES: xmap is no tensor map but {x's address, its row stride in bytes} in its first two words.
-template <int T, int NT, int KT, typename Y, int EPI, bool XRES, int W8>
+template <int T, int NT, int KT, typename Y, int EPI, bool XRES, bool W8>
 __global__ void __launch_bounds__(SG_THREADS)
 stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap, Y* __restrict__ y,
             int M, int N, int K, int stages, int prefill, const __grid_constant__ Epilogue epi,
@@ -196,8 +194,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     const unsigned xs = ring + stages * STAGE, xrow = 2 * K + (W8 ? 32 : 16);  // XRES: x's rows
     float* red = reinterpret_cast<float*>(smem + (size_t)stages * STAGE + (XRES ? M * xrow : 0));  // [3][NACC][32]
     const unsigned full0 = smem_addr(red + 3 * NACC * 32), empty0 = full0 + 8 * stages, xbar = empty0 + 8 * stages;
-    constexpr bool STAGED = W8 != 0;  // FP8: the copy warp stages the scales
-    const unsigned scs = xbar + 16;   // STAGED: scs[stages][2][16 T]
+    const unsigned scs = xbar + 16;  // W8: the staged scales scs[stages][2][16 T]
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int nblocks = (N + 16 * T - 1) / (16 * T);
@@ -207,7 +204,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < stages; ++s) {
-            mbar_init(full0 + 8 * s, STAGED ? 1 + 32 : 1);  // STAGED: the copy lanes' cp.async arrivals
+            mbar_init(full0 + 8 * s, W8 ? 1 + 32 : 1);  // W8: the copy lanes' cp.async arrivals
             mbar_init(empty0 + 8 * s, SG_COMPUTE_WARPS);
         }
         if (XRES) mbar_init(xbar, 1);
@@ -216,14 +213,14 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     __syncthreads();
 
     if (warp == SG_COMPUTE_WARPS) {  // ------------------------------------------------------------ copy warp
-        // Lane 0 arms the barriers and issues the bulk copies; STAGED (FP8), all 32 lanes stage the scales besides.
-        if (!STAGED && lane != 0) return;
+        // Lane 0 arms the barriers and issues the bulk copies; W8: all 32 lanes stage the scales besides.
+        if (!W8 && lane != 0) return;
         unsigned long long evict_first, evict_last;  // the weight is read once per step; x by every CTA
         asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(evict_first));
         asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(evict_last));
         // Stage i = s + stages * (its round) = kt + ktiles * blk: ring slot s, k tile kt of the CTA's block blk.
         auto copy_w = [&](int s, int kt, int blk) {
-            if (STAGED && lane != 0) return;
+            if (W8 && lane != 0) return;
             const int row0 = (blockIdx.x + blk * gridDim.x) * 16 * T, k0 = kt * KT;
             mbar_expect_tx(full0 + 8 * s, STAGE);
 #pragma unroll
@@ -231,17 +228,17 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                 tma_load(ring + s * STAGE + b * WBOX, wmap, k0 + (W8 ? 128 : 64) * b, row0, full0 + 8 * s, evict_first);
         };
         auto copy_x = [&](int s, int kt) {
-            if (STAGED && lane != 0) return;
+            if (W8 && lane != 0) return;
             const int k0 = kt * KT;
 #pragma unroll
             for (int b = 0; b < BOXES; ++b)
                 tma_load(ring + s * STAGE + WBOXES * WBOX + b * XBOX, xmap, k0 + 64 * b, 0, full0 + 8 * s, evict_last);
         };
-        // STAGED: lane l stages entries j = l + 32 q (q < T) of scs[s]: row j % (16 T) of the block, scale column
+        // W8: lane l stages entries j = l + 32 q (q < T) of scs[s]: row j % (16 T) of the block, scale column
         // j / (16 T) of the stage. srow[q] / srow_next[q]: rows[f] * cols of that row f in the block being issued /
         // the next block (-1 past N or past this CTA's blocks), fetched a block ahead so that only the first block's
         // row map is waited for (before griddepcontrol.wait, under the kernel in front: it is a weight).
-        constexpr int SQ = STAGED ? T : 1;
+        constexpr int SQ = W8 ? T : 1;
         int srow[SQ], srow_next[SQ];
         auto block_rows = [&](int blk, int (&out)[SQ]) {
             const int row0 = (blockIdx.x + blk * gridDim.x) * 16 * T;
@@ -267,16 +264,16 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
             asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" ::"r"(full0 + 8 * s) : "memory");
         };
         const int ahead = min(min(stages, prefill), total);
-        if constexpr (STAGED) {
+        if constexpr (W8) {
             block_rows(0, srow);
             block_rows(1, srow_next);
         }
         for (int i = 0; i < ahead; ++i) copy_w(i % stages, i % ktiles, i / ktiles);  // before the wait: overlaps the kernels in front
-        if constexpr (STAGED)  // after the boxes, which do not wait for srow
+        if constexpr (W8)  // after the boxes, which do not wait for srow
             for (int i = 0; i < ahead; ++i) copy_s(i % stages, i % ktiles, i / ktiles);
         pdl_wait();
         if constexpr (XRES) {
-            if (!STAGED || lane == 0) {
+            if (!W8 || lane == 0) {
                 const unsigned long long x = xmap.words[0], stride = xmap.words[1];
                 mbar_expect_tx(xbar, M * 2 * K);
                 for (int m = 0; m < M; ++m)
@@ -286,7 +283,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
         } else {
             for (int i = 0; i < ahead; ++i) copy_x(i % stages, i % ktiles);
         }
-        if constexpr (STAGED) {
+        if constexpr (W8) {
             // Counted, not divided, as in the compute warps' loop (this warp shares a scheduler with compute warp 0).
             int s = ahead % stages, phase = (ahead / stages + 1) & 1, kt = ahead % ktiles, blk = ahead / ktiles;
             for (int i = ahead; i < total; ++i) {
@@ -304,7 +301,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                 if constexpr (!XRES) copy_x(i % stages, i % ktiles);
             }
         }
-        if constexpr (STAGED) asm volatile("cp.async.wait_all;" ::: "memory");  // none left in flight at exit
+        if constexpr (W8) asm volatile("cp.async.wait_all;" ::: "memory");  // none left in flight at exit
         return;
     }
 
@@ -348,7 +345,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     // W8, XRES: lane -> x row g (row 0 again past M), its eight-byte reads at columns 4c.
     const unsigned b_res8 = xs + (g < M ? g : 0) * xrow;
     if constexpr (XRES) mbar_wait(xbar, 0);
-    if constexpr (XRES && W8 == 4) {  // x's resident rows times 2^64, in place, once
+    if constexpr (XRES && W8) {  // x's resident rows times 2^64, in place, once
         for (int m = 0; m < M; ++m)
             for (int w = threadIdx.x; w < K / 2; w += 32 * SG_COMPUTE_WARPS) {
                 const unsigned at = xs + m * xrow + 4 * w;
@@ -363,18 +360,18 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     // with x in boxes the early loads are cheaper than exposed ones at the end); the running sums of r^2 of this
     // lane's rows m = 8 n + 2 c + e over all of the CTA's blocks.
     float res[EPI == SG_ADD_NORM ? T : 1][NT][4], nw[EPI == SG_ADD_NORM ? T : 1][2], ss[NT][2] = {};
-    // STAGED: stage i's slot i % stages, its phase (i / stages) & 1, its k tile i % ktiles and its block i / ktiles
+    // W8: stage i's slot i % stages, its phase (i / stages) & 1, its k tile i % ktiles and its block i / ktiles
     // are counted, not divided (integer divisions by run-time values cost ~50 instructions a stage); otherwise they
     // are divided where they are used (kt(), blk()).
     int ring_s = 0, ring_phase = 0, ring_kt = 0, ring_blk = 0;
     for (int i = 0; i < total; ++i) {
-        if constexpr (STAGED) if (i > 0) {
+        if constexpr (W8) if (i > 0) {
             if (++ring_s == stages) ring_s = 0, ring_phase ^= 1;
             if (++ring_kt == ktiles) ring_kt = 0, ++ring_blk;
         }
-        auto kt = [&]() { return STAGED ? ring_kt : i % ktiles; };
-        auto blk = [&]() { return STAGED ? ring_blk : i / ktiles; };
-        const int s = STAGED ? ring_s : i % stages;
+        auto kt = [&]() { return W8 ? ring_kt : i % ktiles; };
+        auto blk = [&]() { return W8 ? ring_blk : i / ktiles; };
+        const int s = W8 ? ring_s : i % stages;
         float sc0[W8 ? T : 1][2];  // W8: this stage's scale of each of the lane's rows (its warp's scale column)
         if constexpr (EPI == SG_ADD_NORM && !XRES) if (warp == 0 && kt() == 0) {
             const int row0 = (blockIdx.x + blk() * gridDim.x) * 16 * T;
@@ -393,9 +390,9 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                         }
                 }
         }
-        mbar_wait(full0 + 8 * s, STAGED ? ring_phase : (i / stages) & 1);
+        mbar_wait(full0 + 8 * s, W8 ? ring_phase : (i / stages) & 1);
         const unsigned base = ring + s * STAGE;
-        if constexpr (STAGED) {
+        if constexpr (W8) {
             // scs[s][warp / 2][16 t + g + 8 h] times 2^56 (exact below 2^72), read now, used after the MMAs.
             const unsigned at = scs + 4 * (s * 32 * T + (warp >> 1) * 16 * T + g);
 #pragma unroll
@@ -406,14 +403,12 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                     sc0[t][h] *= __int_as_float(0x5B800000);  // 2^56
                 }
         }
-        if constexpr (W8 != 0) {
+        if constexpr (W8) {
             // This warp's 64 columns: bytes [64 (warp % 2), + 64) of weight box warp / 2 and x box warp (or x's
-            // resident columns), in two rounds of 32 columns = two MMA steps; W8 4: each round's own partial sums
-            // (CH = 2 chains), added before the scale.
-            constexpr int CH = W8 == 4 ? 2 : 1;
-            float part[CH][T][NT][4];
+            // resident columns), in two rounds of 32 columns = two MMA steps, each round its own partial sums.
+            float part[2][T][NT][4];
 #pragma unroll
-            for (int h = 0; h < CH; ++h)
+            for (int h = 0; h < 2; ++h)
 #pragma unroll
                 for (int t = 0; t < T; ++t)
 #pragma unroll
@@ -434,7 +429,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                         lds64(xa, x0, x1);
                         b[step][n][0] = __byte_perm(x0, x1, 0x5410);  // x[e], x[e + 2]
                         b[step][n][1] = __byte_perm(x0, x1, 0x7632);  // x[e + 1], x[e + 3]
-                        if constexpr (!(XRES && W8 == 4)) {  // restores 2^64 of the codes' 2^-120
+                        if constexpr (!XRES) {  // restores 2^64 of the codes' 2^-120 (resident x: done)
                             b[step][n][0] = bf16x2_times_2_64(b[step][n][0]);
                             b[step][n][1] = bf16x2_times_2_64(b[step][n][1]);
                         }
@@ -451,8 +446,8 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                     e4m3x4_to_bf16(r3, lo3, hi3);
 #pragma unroll
                     for (int n = 0; n < NT; ++n) {
-                        mma_bf16(part[kk / 32 % CH][t][n], lo0, lo1, hi0, hi1, b[0][n][0], b[0][n][1]);
-                        mma_bf16(part[kk / 32 % CH][t][n], lo2, lo3, hi2, hi3, b[1][n][0], b[1][n][1]);
+                        mma_bf16(part[kk / 32][t][n], lo0, lo1, hi0, hi1, b[0][n][0], b[0][n][1]);
+                        mma_bf16(part[kk / 32][t][n], lo2, lo3, hi2, hi3, b[1][n][0], b[1][n][1]);
                     }
                 }
             }
@@ -461,9 +456,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
 #pragma unroll
                 for (int n = 0; n < NT; ++n)
 #pragma unroll
-                    for (int r = 0; r < 4; ++r)
-                        acc[t][n][r] += sc0[t][r >> 1] * (CH == 2 ? part[0][t][n][r] + part[CH - 1][t][n][r]
-                                                                  : part[0][t][n][r]);
+                    for (int r = 0; r < 4; ++r) acc[t][n][r] += sc0[t][r >> 1] * (part[0][t][n][r] + part[1][t][n][r]);
         } else {
 #pragma unroll
         for (int kk = 0; kk < KT / SG_COMPUTE_WARPS; kk += 16) {
@@ -487,7 +480,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
         __syncwarp();
         if (lane == 0) mbar_arrive(empty0 + 8 * s);
 
-        if (STAGED ? ring_kt + 1 != ktiles : (i + 1) % ktiles != 0) continue;
+        if (W8 ? ring_kt + 1 != ktiles : (i + 1) % ktiles != 0) continue;
         // End of a row block: add the four warps' partials in a fixed order and write the outputs.
         float* mine = &acc[0][0][0];
         if (warp > 0) {

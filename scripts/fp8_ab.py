@@ -1,5 +1,6 @@
-"""A/B of the FP8 (W8A16) streaming GEMM's variants (tuning.fp8_gemm) against each other and the bf16 kernel, at
-Qwen3-8B's shapes, in one process on one GPU.
+"""The FP8 (W8A16) streaming GEMM against the bf16 kernel at Qwen3-8B's shapes, in one process on one GPU (the
+microbench of BENCHMARKS.md's "The W8 kernel's bottleneck"; a base tuning, e.g. kernel_dir=DIR, times another tree's
+kernels).
 
 Timing: per GEMM (qkv, o_proj, gate_up, down) and rows (1: decode, x resident; 16: verify, x in boxes), a CUDA
 graph of at least REPS launches back to back (PDL between them, as in a captured step), the weights taken in turn
@@ -7,11 +8,10 @@ from enough copies (>= 256 MB) that none is still in L2 when it comes round agai
 in rounds alternating with the others' (drift hits all alike), and the median replay over its launches is one
 GEMM's time. Bytes are what a GEMM must read (FP8: codes + scales + row map, bf16: 2 N K); GB/s and the
 percentage of the copy bandwidth (the bench's measurement: bytes read + written) follow.
-Correctness, per FP8 config: float32 outputs against float64 x @ w.T with w dequantized on the device from the
-numpy E4M3 table (quant.numerics), as relative error norms, and whether the bits equal the first variant's; then
-tests/gpu/test_quant_gemm.py's every-code check (all finite codes, and a weight of subnormal codes alone, where a
-flush to zero shows) for each variant.
-Only the instantiations these shapes need are compiled (a few per variant, not the 84 of a module).
+Correctness of the FP8 kernel: float32 outputs against float64 x @ w.T with w dequantized on the device from the
+numpy E4M3 table (quant.numerics), as relative error norms; then tests/gpu/test_quant_gemm.py's every-code check
+(all finite codes, and a weight of subnormal codes alone, where a flush to zero shows).
+Only the instantiations these shapes need are compiled (a few per format, not the 84 of a module).
 
 Usage: PYTHONPATH=$PWD python3 scripts/fp8_ab.py [NAME=VALUE ...]   (a base tuning, as `cudflash bench --tune`)
 """
@@ -27,7 +27,7 @@ import numpy as np
 from cudflash.backends import fp8_weight
 from cudflash.backends import stream_gemm as sg
 from cudflash.backends.cuda_backend import CudaBackend
-from cudflash.backends.tuning import FP8_GEMM_VARIANTS, parse_tuning
+from cudflash.backends.tuning import parse_tuning
 from cudflash.bench import copy_bandwidth_gb_s
 from cudflash.errors import ConfigError
 from cudflash.quant import QuantizedWeight, dequantize
@@ -42,10 +42,7 @@ REPS, ROUNDS, PER_ROUND = 8, 5, 4
 
 def configs(base) -> dict[str, object]:
     """name -> tuning (None: the bf16 weight at the base tuning)."""
-    out = {"bf16": None}
-    for v in FP8_GEMM_VARIANTS:
-        out[f"w8v{v}"] = dataclasses.replace(base, fp8_gemm=v)
-    return out
+    return {"bf16": None, "fp8": dataclasses.replace(base)}
 
 
 def bf16_random(n: int, k: int, seed: int) -> cupy.ndarray:
@@ -107,28 +104,26 @@ def main() -> None:
     qsub = QuantizedWeight("fp8", (256, 2048), sub, np.ones((2, 16), np.float32), (128, 128))
     every = [(qall, fp8_weight.upload(qall)), (qsub, fp8_weight.upload(qsub))]
 
-    # The instantiations each module needs (one module per variant and one for bf16, compiled once).
+    # The instantiations each module needs (the FP8 and the bf16 module, each compiled once).
     y32 = {m: cupy.empty((m, 1), cupy.float32) for m in ROWS}
     names: dict[str, set[str]] = {}
     for cname, t in cfgs.items():
         for s in SHAPES:
             for m in ROWS:
                 w = bf16[s][0] if t is None else fp8[s][0]
-                names.setdefault("bf16" if t is None else f"v{t.fp8_gemm}", set()).add(
-                    sg.kernel_name(m, w, y32[m], sms, t or base))
+                names.setdefault("bf16" if t is None else "fp8", set()).add(
+                    sg.kernel_name(m, w, y32[m], sms))
         if t is not None:
             for m in ROWS:
-                names[f"v{t.fp8_gemm}"].add(sg.kernel_name(m, every[0][1], y32[m], sms, t))
+                names["fp8"].add(sg.kernel_name(m, every[0][1], y32[m], sms))
     names_t = {k: tuple(sorted(v)) for k, v in names.items()}
 
     def launch(x, w, y, t):
-        key = "bf16" if t is None else f"v{t.fp8_gemm}"
+        key = "bf16" if t is None else "fp8"
         sg._launch(x, w, y, sms, t or base, sg.PLAIN, sg.Epilogue(), names=names_t[key])
 
     # Correctness first (and the compile of every module).
-    first = f"w8v{FP8_GEMM_VARIANTS[0]}"
-    print(f"\ncorrectness: relative error norm vs float64 x @ dequant(w).T; bits == {first}'s or not")
-    first_out: dict[tuple[str, int], cupy.ndarray] = {}
+    print("\ncorrectness: relative error norm vs float64 x @ dequant(w).T")
     bad = []
     for s, (n, k) in SHAPES.items():
         w64 = dequant64(fp8[s][0])
@@ -142,10 +137,7 @@ def main() -> None:
                 y = cupy.full((m, n), cupy.nan, dtype=cupy.float32)
                 launch(x, fp8[s][0], y, t)
                 err = float(cupy.linalg.norm(y - ref) / cupy.linalg.norm(ref))
-                if cname == first:
-                    first_out[(s, m)] = y
-                same = bool(cupy.array_equal(y.view(cupy.uint32), first_out[(s, m)].view(cupy.uint32)))
-                line.append(f"{cname} {err:.1e}{'' if same else ' (other bits)'}")
+                line.append(f"{cname} {err:.1e}")
                 if not err < 1e-5 or not bool(cupy.isfinite(y).all()):
                     bad.append(f"{s} m={m} {cname}: error {err:.3g}")
             print(f"  {s:8s} m={m:2d}: " + ", ".join(line), flush=True)

@@ -29,8 +29,8 @@ FP8 weights (fp8_weight.Fp8Weight: E4M3 codes [N, K] with float32 scales per 128
 row) stream through the same kernel (its W8 instantiations, compiled as a module of their own so that the bf16
 build is unchanged): half the weight bytes per stage, the codes decoded to bf16 on chip (exactly), each 64-column
 partial sum scaled in float32. Every epilogue works the same; the plan is a function of (N, K, the weight's format)
-and the device, still never of M. Which W8 kernel runs is the tuning's `fp8_gemm` (the variants the .cu header
-describes, each a module of its own).
+and the device, still never of M. The scales come into shared memory with the codes (the copy warp stages them),
+so no compute warp waits on a global load in its loop.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from cudflash.backends import kernel_loader, pdl
 from cudflash.backends.base import DeferredNorm
 from cudflash.backends.cuda_util import i32
 from cudflash.backends.fp8_weight import SCALE_COLS, Fp8Weight
-from cudflash.backends.tuning import FP8_GEMM_VARIANTS, CudaTuning
+from cudflash.backends.tuning import CudaTuning
 from cudflash.errors import BackendError
 
 MAX_ROWS = 16  # two token tiles of 8
@@ -216,19 +216,19 @@ def tensor_map(ptr: int, rows: int, cols: int, row_stride: int, box_rows: int, i
     return out
 
 
-def _name(t: int, nt: int, y: str, epilogue: int, x_resident: bool, w8: int) -> str:
-    """The instantiation; w8 0 for a bf16 weight, else the FP8 variant (tuning.fp8_gemm)."""
-    return f"stream_gemm<{t}, {nt}, {KT}, {y}, {epilogue}, {'true' if x_resident else 'false'}, {w8}>"
+def _name(t: int, nt: int, y: str, epilogue: int, x_resident: bool, w8: bool) -> str:
+    return (f"stream_gemm<{t}, {nt}, {KT}, {y}, {epilogue}, {'true' if x_resident else 'false'}, "
+            f"{'true' if w8 else 'false'}>")
 
 
-def _names(w8: int) -> tuple[str, ...]:
+def _names(w8: bool) -> tuple[str, ...]:
     return tuple(_name(t, nt, y, e, res, w8) for t in (1, 2, 3, 4) for nt, res in ((1, False), (2, False), (1, True))
                  for y, e in (("float", PLAIN), ("bf16", PLAIN), ("float", ADD_NORM), ("float", ROW_SCALE),
                               ("bf16", ROW_SCALE), ("bf16", SWIGLU), ("bf16", ROW_SCALE | SWIGLU)))
 
 
-_NAMES = _names(0)  # the bf16 module
-_NAMES_W8 = {v: _names(v) for v in FP8_GEMM_VARIANTS}  # an FP8 module per variant: the same source, compiled apart
+_NAMES = _names(False)  # the bf16 module
+_NAMES_W8 = _names(True)  # the FP8 module: the same source, compiled apart
 
 
 def stream_gemm(x: cupy.ndarray, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
@@ -262,15 +262,13 @@ def row_scaled(x: DeferredNorm, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, nu
             Epilogue(ssq=part.ssq.data.ptr, parts=part.ssq.shape[0], width=part.normed.shape[1], eps=x.eps))
 
 
-def kernel_name(m: int, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
-                epilogue: int = PLAIN) -> str:
+def kernel_name(m: int, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_sms: int, epilogue: int = PLAIN) -> str:
     """The instantiation a launch for x [m, K] @ w.T into y takes (a microbench compiles just the ones it needs:
     `_launch`'s `names`)."""
     n, k = w.shape
     w8 = isinstance(w, Fp8Weight)
     plan = plan_for(n, k, num_sms, w8)
-    return _name(plan.t, 1 if m <= 8 else 2, _Y[y.dtype.name], epilogue, resident_x_bytes(m, k, w8) is not None,
-                 tuning.fp8_gemm if w8 else 0)
+    return _name(plan.t, 1 if m <= 8 else 2, _Y[y.dtype.name], epilogue, resident_x_bytes(m, k, w8) is not None, w8)
 
 
 def _launch(x: cupy.ndarray, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
@@ -283,9 +281,8 @@ def _launch(x: cupy.ndarray, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_s
         raise BackendError(f"stream_gemm swiglu: weight rows {n} (need a multiple of 16), y {y.shape} {y.dtype}")
     plan = plan_for(n, k, num_sms, w8)
     x_bytes = resident_x_bytes(m, k, w8)
-    name = kernel_name(m, w, y, num_sms, tuning, epilogue)
-    kern = kernel_loader.function("stream_gemm", name, names or (_NAMES_W8[tuning.fp8_gemm] if w8 else _NAMES),
-                                  tuning=tuning)
+    name = kernel_name(m, w, y, num_sms, epilogue)
+    kern = kernel_loader.function("stream_gemm", name, names or (_NAMES_W8 if w8 else _NAMES), tuning=tuning)
     smem = plan.smem(x_bytes)
     kern.reserve_shared(smem)
     ldx = x.strides[0] // x.itemsize if m > 1 else k

@@ -40,9 +40,6 @@ class CudaTuning:
     # linear ops read them (fp8_weight.py). Off: dequantized to bf16 at load. Off by default while the FP8 path is
     # slower where it counts: its many-row path makes a verify at batch 8 2.7x slower than bf16 (BENCHMARKS.md).
     fp8_on_device: bool = False
-    # The FP8 streaming GEMM's variant (kernels/stream_gemm.cu, its W8 template argument), under A/B: 3 sums a
-    # warp's 64 columns of a stage in one chain of four MMA steps, 4 in two chains of two.
-    fp8_gemm: int = 3
     # A folder to compile the CUDA sources from instead of the package's: an A/B of kernel code in one checkout.
     kernel_dir: str | None = None
     # Extra NVRTC options for every module, e.g. -lineinfo, or the step timeline's -DCF_TRACE
@@ -62,8 +59,6 @@ class CudaTuning:
         for f in ("stream_gemm_prefill_stages", "stream_gemm_min_bytes", "invariant_max_context"):
             if getattr(self, f) < 0:
                 raise ConfigError(f"tuning.{f}: expected a non-negative integer, got {getattr(self, f)}")
-        if self.fp8_gemm not in FP8_GEMM_VARIANTS:
-            raise ConfigError(f"tuning.fp8_gemm: expected one of {FP8_GEMM_VARIANTS}, got {self.fp8_gemm}")
         if self.invariant_max_context > INVARIANT_CONTEXT_LIMIT:
             raise ConfigError(f"tuning.invariant_max_context: at most {INVARIANT_CONTEXT_LIMIT} keys, got "
                               f"{self.invariant_max_context}")
@@ -79,7 +74,6 @@ class CudaTuning:
 # The row-invariant attention shape splits the keys into one 64-key tile per CTA, and the split merge takes at most 64
 # splits (cuda_attention.BN, MAX_SPLITS).
 INVARIANT_CONTEXT_LIMIT = 64 * 64
-FP8_GEMM_VARIANTS = (3, 4)  # the W8 template arguments of kernels/stream_gemm.cu
 _DESCRIBE = {bool: "true or false", int: "an integer", str: "a path or none", tuple: "NVRTC options"}
 
 

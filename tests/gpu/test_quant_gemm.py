@@ -16,7 +16,6 @@ from cudflash.backends.base import DeferredNorm  # noqa: E402
 from cudflash.backends.cuda_util import bits  # noqa: E402
 from cudflash.backends.fp8_weight import Fp8Weight  # noqa: E402
 from cudflash.backends.numpy_backend import NumpyBackend  # noqa: E402
-from cudflash.backends.tuning import FP8_GEMM_VARIANTS  # noqa: E402
 from cudflash.quant import QuantizedWeight, concat_rows, dequantize, quantize_fp8_block  # noqa: E402
 from cudflash.tiny import float32_to_bf16_bits  # noqa: E402
 
@@ -29,14 +28,13 @@ EPS = 1e-6
 SHAPES = [(200, 256), (1000, 512), (4096, 1024), (4000, 4096), (24576, 256), (296, 12288)]
 
 
-@pytest.fixture(scope="module", params=FP8_GEMM_VARIANTS, ids=[f"w8v{v}" for v in FP8_GEMM_VARIANTS])
-def cb(request):
+@pytest.fixture(scope="module")
+def cb():
     """The CUDA backend with FP8 weights kept on the device (tuning.fp8_on_device, off by default): its
-    load_quantized gives the Fp8Weight whose GEMMs these tests check; once per W8 kernel variant under A/B
-    (tuning.fp8_gemm; `-k w8v3` selects one)."""
+    load_quantized gives the Fp8Weight whose GEMMs these tests check."""
     from cudflash.backends.cuda_backend import CudaBackend
 
-    return CudaBackend(tuning={"fp8_on_device": True, "fp8_gemm": request.param})
+    return CudaBackend(tuning={"fp8_on_device": True})
 
 
 def quantized(rng, n: int, k: int, scale: float = 1.0) -> QuantizedWeight:
