@@ -14,7 +14,8 @@
 // Work: w's rows form blocks of 16 T; CTA b takes blocks b, b + gridDim.x, ... and streams each in K tiles of
 // KT columns: one ring stage holds a tile's KT / 64 weight boxes and KT / 64 x boxes (layout below).
 // Warps: 0..3 compute, warp 4 copies (its lane 0 arms a stage's barrier with the byte count and issues the
-// stage's 2 KT / 64 box copies). Barriers: full[s] (1 arrival + the bytes), empty[s] (one per compute warp).
+// stage's 2 KT / 64 box copies; W8: all its lanes also stage the scales, below). Barriers: full[s] (1 arrival +
+// the bytes; W8: 1 + 32 arrivals), empty[s] (one per compute warp).
 // Before griddepcontrol.wait the copy warp requests the weight boxes of the first `prefill` stages; the rest of the
 // ring and x's boxes follow the wait. (A stage or two is the head start; a full ring's prefill only competes with
 // the latency-bound kernels in front for HBM: the tuning's stream_gemm_prefill_stages.)
@@ -50,12 +51,27 @@
 // of [16 T rows][128 columns] (rows of 128 bytes again, the same swizzle), so a stage holds KT / 128 weight boxes:
 // half of bf16's bytes. x stays bf16 (resident rows XROW = 2 K + 32 bytes apart, see below). Each compute warp's 64
 // columns lie inside one 128-column scale block, so per stage a warp sums its 64 columns in float32 (four MMA
-// steps, from zero) and adds that partial times the row's scale to its accumulators: the codes enter the MMA as
-// exact bf16 values, the scale is applied once per 64 columns in float32 (no bf16 rounding of code * scale), and
-// the summation order still depends on (K, KT) alone. The epilogues are the same.
+// steps, as two independent chains of two from zero, columns 0..31 and 32..63, added before the scale: half the
+// dependent MMA latency a stage waits for) and adds that partial times the row's scale to its accumulators: the
+// codes enter the MMA as exact bf16 values, the scale is applied once per 64 columns in float32 (no bf16 rounding
+// of code * scale), and the summation order still depends on (K, KT) alone. The epilogues are the same.
+// Scales: the copy warp stages them with the codes. With each stage's weight boxes its 32 lanes copy the stage's
+// 2 x 16 T scales (the block's 16 T rows, the stage's two scale columns) into scs[stage] by cp.async, counted on
+// full[s] by one cp.async.mbarrier.arrive.noinc per lane (full[s] expects 1 + 32 arrivals); the compute warps read
+// them from shared memory after the full wait. (Loaded by the compute warps at the top of each stage, the scales
+// cost every stage one dependent L2 / HBM round trip: the GEMM ran at half the copy bandwidth, BENCHMARKS.md.) The
+// copy warp fetches the row map of block b + 1 while it issues block b, the first ones before griddepcontrol.wait
+// (they are weights). Both warps count a stage's slot, phase, k tile and block rather than divide by run-time values.
 // Codes to bf16: ldmatrix of a [16 rows][32 bytes] region gives each lane 4 consecutive codes of a row (bytes 4c ..
-// 4c + 3, c = lane % 4) per register; e4m3x4_to_bf16 turns them into bf16 pairs (4c, 4c + 2) and (4c + 1, 4c + 3),
-// exactly. So the MMA's k index is a permutation of the 16 columns of a step (logical 2c, 2c + 1 <- columns 4c, 4c + 2;
+// 4c + 3, c = lane % 4) per register; e4m3x4_to_bf16 turns them into bf16 pairs (4c, 4c + 2) and (4c + 1, 4c + 3)
+// by bit placement alone: each bf16 is the code's value times 2^-120 exactly (a bf16 subnormal for a subnormal
+// code; the MMA takes subnormal inputs as they are). The 2^120 is restored outside the MMA in exact powers of two:
+// x's bf16 pairs are multiplied by 2^64 (exact for |x| < 2^64; resident rows once, in place, when they have landed,
+// x in boxes as each stage reads them) and the scale by 2^56 (exact below 2^72). Scaling every input of a float sum
+// by a power of two scales each rounding with it, so a partial sum is 2^-56 times the one of the codes' values and
+// scale * partial is the same float (unless a product falls below 2^-126, i.e. |x| < 2^-61, where a contribution
+// of relative size 2^-60 is lost).
+// The MMA's k index is a permutation of the 16 columns of a step (logical 2c, 2c + 1 <- columns 4c, 4c + 2;
 // 8 + 2c, 9 + 2c <- 4c + 1, 4c + 3), and each lane reads x's 4 columns 4c .. 4c + 3 (8 bytes) and permutes them the
 // same way: a dot product is a sum over k in any order of the same products. NaN codes (0x7F, 0xFF) are not decoded
 // as NaN (the loader refuses non-finite weights before they get here).
@@ -114,14 +130,33 @@ struct WeightScales {
     const int* rows;     // [N] int32: scale row of each weight row
     int cols;            // scale columns: ceil(K / SG_W8_BLOCK)
 };
-// Four E4M3 codes (bytes b0..b3 of r) -> bf16 pairs lo = (b0, b2), hi = (b1, b3), exactly: with a code in the high
-// byte of a 16-bit half, (h & 0x8000) | ((h & 0x7F00) >> 4) is the bf16 whose exponent field is the code's and whose
-// mantissa is the code's 3 bits (a bf16 subnormal for a code subnormal), i.e. the code's value times 2^-120, and one
-// exact bf16 multiply by 2^120 (fma with -0, subnormal inputs kept) restores it.
+// Four E4M3 codes (bytes b0..b3 of r) -> bf16 pairs lo = (b0, b2), hi = (b1, b3), each the code's value times 2^-120
+// exactly: with a code in the high byte of a 16-bit half, (h & 0x8000) | ((h & 0x7F00) >> 4) is the bf16 whose
+// exponent field is the code's and whose mantissa is the code's 3 bits (a bf16 subnormal for a code subnormal). The
+// low bytes take one prmt in sign mode, which makes each half [8 copies of the code's sign][code]: << 4 then
+// & 0x87F0 keeps one sign bit at bit 15 and the code's 7 low bits at bits 10..4 (three instructions, not four).
 __device__ __forceinline__ void e4m3x4_to_bf16(unsigned r, unsigned& lo, unsigned& hi) {
-    const unsigned h = (r & 0x80008000u) | ((r & 0x7F007F00u) >> 4), l = ((r << 8) & 0x80008000u) | ((r & 0x007F007Fu) << 4);
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(hi) : "r"(h), "r"(0x7B807B80u), "r"(0x80008000u));
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(lo) : "r"(l), "r"(0x7B807B80u), "r"(0x80008000u));
+    const unsigned h = (r & 0x80008000u) | ((r & 0x7F007F00u) >> 4);
+    unsigned l;
+    asm("prmt.b32 %0, %1, 0, 0xA280;" : "=r"(l) : "r"(r));  // bytes b0, sign(b0), b2, sign(b2)
+    l = (l << 4) & 0x87F087F0u;
+    hi = h;
+    lo = l;
+}
+// A bf16 pair times 2^64, exactly for |x| < 2^64 (fma with -0: a zero keeps its sign, subnormals are kept).
+__device__ __forceinline__ unsigned bf16x2_times_2_64(unsigned x) {
+    unsigned y;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(y) : "r"(x), "r"(0x5F805F80u), "r"(0x80008000u));
+    return y;
+}
+__device__ __forceinline__ float lds32(unsigned addr) {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+    return v;
+}
+// One float of global memory into shared memory, asynchronously (zeros where `ok` is false: nothing is read).
+__device__ __forceinline__ void cp_async4(unsigned dst, const float* src, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(src)), "r"(ok ? 4 : 0) : "memory");
 }
 __device__ __forceinline__ void lds64(unsigned addr, unsigned& a, unsigned& b) {
     asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(a), "=r"(b) : "r"(addr));
@@ -134,7 +169,9 @@ __device__ __forceinline__ void store_y(bf16* p, float v) { *p = __float2bfloat1
 // box rows of 128 bytes in the 128-byte swizzle (16-byte chunk j of row r sits at chunk j ^ (r % 8): ldmatrix's
 // eight rows hit eight different banks); XRES: then x's M rows of K bf16, XROW = 2 K + 16 bytes apart (W8: + 32, so
 // the eight-byte reads of eight rows g at 8 c hit distinct banks); then the partials red[3][T][NT][4][32] float32;
-// then full[stages], empty[stages] and (XRES) the x barrier. stream_gemm.py computes the same size.
+// then full[stages], empty[stages] and (XRES) the x barrier; W8: then, 16 bytes past the x barrier's slot, the
+// staged scales scs[stages][2][16 T] float32 ([stage][scale column of the stage][row of the block]). stream_gemm.py
+// computes the same size.
 // XRES: xmap is no tensor map but {x's address, its row stride in bytes} in its first two words.
 template <int T, int NT, int KT, typename Y, int EPI, bool XRES, bool W8>
 __global__ void __launch_bounds__(SG_THREADS)
@@ -157,6 +194,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     const unsigned xs = ring + stages * STAGE, xrow = 2 * K + (W8 ? 32 : 16);  // XRES: x's rows
     float* red = reinterpret_cast<float*>(smem + (size_t)stages * STAGE + (XRES ? M * xrow : 0));  // [3][NACC][32]
     const unsigned full0 = smem_addr(red + 3 * NACC * 32), empty0 = full0 + 8 * stages, xbar = empty0 + 8 * stages;
+    const unsigned scs = xbar + 16;  // W8: the staged scales scs[stages][2][16 T]
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int nblocks = (N + 16 * T - 1) / (16 * T);
@@ -166,7 +204,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < stages; ++s) {
-            mbar_init(full0 + 8 * s, 1);
+            mbar_init(full0 + 8 * s, W8 ? 1 + 32 : 1);  // W8: the copy lanes' cp.async arrivals
             mbar_init(empty0 + 8 * s, SG_COMPUTE_WARPS);
         }
         if (XRES) mbar_init(xbar, 1);
@@ -175,40 +213,95 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     __syncthreads();
 
     if (warp == SG_COMPUTE_WARPS) {  // ------------------------------------------------------------ copy warp
-        if (lane != 0) return;
+        // Lane 0 arms the barriers and issues the bulk copies; W8: all 32 lanes stage the scales besides.
+        if (!W8 && lane != 0) return;
         unsigned long long evict_first, evict_last;  // the weight is read once per step; x by every CTA
         asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(evict_first));
         asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(evict_last));
-        auto copy_w = [&](int i) {
-            const int s = i % stages, row0 = (blockIdx.x + (i / ktiles) * gridDim.x) * 16 * T, k0 = (i % ktiles) * KT;
+        // Stage i = s + stages * (its round) = kt + ktiles * blk: ring slot s, k tile kt of the CTA's block blk.
+        auto copy_w = [&](int s, int kt, int blk) {
+            if (W8 && lane != 0) return;
+            const int row0 = (blockIdx.x + blk * gridDim.x) * 16 * T, k0 = kt * KT;
             mbar_expect_tx(full0 + 8 * s, STAGE);
 #pragma unroll
             for (int b = 0; b < WBOXES; ++b)
                 tma_load(ring + s * STAGE + b * WBOX, wmap, k0 + (W8 ? 128 : 64) * b, row0, full0 + 8 * s, evict_first);
         };
-        auto copy_x = [&](int i) {
-            const int s = i % stages, k0 = (i % ktiles) * KT;
+        auto copy_x = [&](int s, int kt) {
+            if (W8 && lane != 0) return;
+            const int k0 = kt * KT;
 #pragma unroll
             for (int b = 0; b < BOXES; ++b)
                 tma_load(ring + s * STAGE + WBOXES * WBOX + b * XBOX, xmap, k0 + 64 * b, 0, full0 + 8 * s, evict_last);
         };
+        // W8: lane l stages entries j = l + 32 q (q < T) of scs[s]: row j % (16 T) of the block, scale column
+        // j / (16 T) of the stage. srow[q] / srow_next[q]: rows[f] * cols of that row f in the block being issued /
+        // the next block (-1 past N or past this CTA's blocks), fetched a block ahead so that only the first block's
+        // row map is waited for (before griddepcontrol.wait, under the kernel in front: it is a weight).
+        constexpr int SQ = W8 ? T : 1;
+        int srow[SQ], srow_next[SQ];
+        auto block_rows = [&](int blk, int (&out)[SQ]) {
+            const int row0 = (blockIdx.x + blk * gridDim.x) * 16 * T;
+#pragma unroll
+            for (int q = 0; q < SQ; ++q) {
+                const int f = row0 + (lane + 32 * q) % (16 * T);
+                out[q] = blk < my_blocks && f < N ? wsc.rows[f] * wsc.cols : -1;
+            }
+        };
+        auto copy_s = [&](int s, int kt, int blk) {  // called for stages i = 0, 1, 2, ... in order
+            const int kb0 = kt * (KT / SG_W8_BLOCK);
+            if (blk > 0 && kt == 0) {  // a new block: its rows came with the previous one
+#pragma unroll
+                for (int q = 0; q < SQ; ++q) srow[q] = srow_next[q];
+                block_rows(blk + 1, srow_next);
+            }
+#pragma unroll
+            for (int q = 0; q < SQ; ++q) {
+                const int j = lane + 32 * q;
+                const bool ok = srow[q] >= 0;
+                cp_async4(scs + 4 * (s * 32 * T + j), wsc.scale + (ok ? srow[q] + kb0 + j / (16 * T) : 0), ok);
+            }
+            asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" ::"r"(full0 + 8 * s) : "memory");
+        };
         const int ahead = min(min(stages, prefill), total);
-        for (int i = 0; i < ahead; ++i) copy_w(i);  // before the wait: overlaps the kernels in front
+        if constexpr (W8) {
+            block_rows(0, srow);
+            block_rows(1, srow_next);
+        }
+        for (int i = 0; i < ahead; ++i) copy_w(i % stages, i % ktiles, i / ktiles);  // before the wait: overlaps the kernels in front
+        if constexpr (W8)  // after the boxes, which do not wait for srow
+            for (int i = 0; i < ahead; ++i) copy_s(i % stages, i % ktiles, i / ktiles);
         pdl_wait();
         if constexpr (XRES) {
-            const unsigned long long x = xmap.words[0], stride = xmap.words[1];
-            mbar_expect_tx(xbar, M * 2 * K);
-            for (int m = 0; m < M; ++m)
-                asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                             ::"r"(xs + m * xrow), "l"(x + m * stride), "r"(2 * K), "r"(xbar) : "memory");
+            if (!W8 || lane == 0) {
+                const unsigned long long x = xmap.words[0], stride = xmap.words[1];
+                mbar_expect_tx(xbar, M * 2 * K);
+                for (int m = 0; m < M; ++m)
+                    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                                 ::"r"(xs + m * xrow), "l"(x + m * stride), "r"(2 * K), "r"(xbar) : "memory");
+            }
         } else {
-            for (int i = 0; i < ahead; ++i) copy_x(i);
+            for (int i = 0; i < ahead; ++i) copy_x(i % stages, i % ktiles);
         }
-        for (int i = ahead; i < total; ++i) {
-            mbar_wait(empty0 + 8 * (i % stages), ((i / stages) - 1) & 1);
-            copy_w(i);
-            if constexpr (!XRES) copy_x(i);
+        if constexpr (W8) {
+            // Counted, not divided, as in the compute warps' loop (this warp shares a scheduler with compute warp 0).
+            int s = ahead % stages, phase = (ahead / stages + 1) & 1, kt = ahead % ktiles, blk = ahead / ktiles;
+            for (int i = ahead; i < total; ++i) {
+                mbar_wait(empty0 + 8 * s, phase);  // the slot's previous round was read
+                copy_w(s, kt, blk);
+                if constexpr (!XRES) copy_x(s, kt);
+                copy_s(s, kt, blk);
+                if (++s == stages) s = 0, phase ^= 1;
+                if (++kt == ktiles) kt = 0, ++blk;
+            }
+        } else {
+            for (int i = ahead; i < total; ++i) {
+                mbar_wait(empty0 + 8 * (i % stages), ((i / stages) - 1) & 1);
+                copy_w(i % stages, i % ktiles, i / ktiles);
+                if constexpr (!XRES) copy_x(i % stages, i % ktiles);
+            }
         }
+        if constexpr (W8) asm volatile("cp.async.wait_all;" ::: "memory");  // none left in flight at exit
         return;
     }
 
@@ -252,36 +345,36 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     // W8, XRES: lane -> x row g (row 0 again past M), its eight-byte reads at columns 4c.
     const unsigned b_res8 = xs + (g < M ? g : 0) * xrow;
     if constexpr (XRES) mbar_wait(xbar, 0);
+    if constexpr (XRES && W8) {  // x's resident rows times 2^64, in place, once
+        for (int m = 0; m < M; ++m)
+            for (int w = threadIdx.x; w < K / 2; w += 32 * SG_COMPUTE_WARPS) {
+                const unsigned at = xs + m * xrow + 4 * w;
+                unsigned v;
+                asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(at));
+                asm volatile("st.shared.u32 [%0], %1;" ::"r"(at), "r"(bf16x2_times_2_64(v)) : "memory");
+            }
+        asm volatile("bar.sync 1, %0;" ::"n"(32 * SG_COMPUTE_WARPS) : "memory");
+    }
     // SG_ADD_NORM, warp 0: the block's residual and norm weight, requested when the block starts and used at its
     // end (XRES: read where they are used, since with x resident the MMA steps would wait for the early loads;
     // with x in boxes the early loads are cheaper than exposed ones at the end); the running sums of r^2 of this
     // lane's rows m = 8 n + 2 c + e over all of the CTA's blocks.
     float res[EPI == SG_ADD_NORM ? T : 1][NT][4], nw[EPI == SG_ADD_NORM ? T : 1][2], ss[NT][2] = {};
-    // W8: the offsets scale + rows[f] * cols of this lane's weight rows f = row0 + 16 t + g + 8 h (-1 past N).
-    int srow[W8 ? T : 1][2];
-
+    // W8: stage i's slot i % stages, its phase (i / stages) & 1, its k tile i % ktiles and its block i / ktiles
+    // are counted, not divided (integer divisions by run-time values cost ~50 instructions a stage); otherwise they
+    // are divided where they are used (kt(), blk()).
+    int ring_s = 0, ring_phase = 0, ring_kt = 0, ring_blk = 0;
     for (int i = 0; i < total; ++i) {
-        const int s = i % stages;
-        float sc0[W8 ? T : 1][2];  // W8: this stage's scale of each of the lane's rows (its warp's scale column)
-        if constexpr (W8) {
-            if (i % ktiles == 0) {
-                const int row0 = (blockIdx.x + (i / ktiles) * gridDim.x) * 16 * T;
-#pragma unroll
-                for (int t = 0; t < T; ++t)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int f = row0 + 16 * t + g + 8 * h;
-                        srow[t][h] = f < N ? wsc.rows[f] * wsc.cols : -1;
-                    }
-            }
-            const int kb = ((i % ktiles) * KT + warp * (KT / SG_COMPUTE_WARPS)) / SG_W8_BLOCK;
-#pragma unroll
-            for (int t = 0; t < T; ++t)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) sc0[t][h] = srow[t][h] >= 0 ? wsc.scale[srow[t][h] + kb] : 0.f;
+        if constexpr (W8) if (i > 0) {
+            if (++ring_s == stages) ring_s = 0, ring_phase ^= 1;
+            if (++ring_kt == ktiles) ring_kt = 0, ++ring_blk;
         }
-        if constexpr (EPI == SG_ADD_NORM && !XRES) if (warp == 0 && i % ktiles == 0) {
-            const int row0 = (blockIdx.x + (i / ktiles) * gridDim.x) * 16 * T;
+        auto kt = [&]() { return W8 ? ring_kt : i % ktiles; };
+        auto blk = [&]() { return W8 ? ring_blk : i / ktiles; };
+        const int s = W8 ? ring_s : i % stages;
+        float sc0[W8 ? T : 1][2];  // W8: this stage's scale of each of the lane's rows (its warp's scale column)
+        if constexpr (EPI == SG_ADD_NORM && !XRES) if (warp == 0 && kt() == 0) {
+            const int row0 = (blockIdx.x + blk() * gridDim.x) * 16 * T;
 #pragma unroll
             for (int t = 0; t < T; ++t)
 #pragma unroll
@@ -297,16 +390,30 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                         }
                 }
         }
-        mbar_wait(full0 + 8 * s, (i / stages) & 1);
+        mbar_wait(full0 + 8 * s, W8 ? ring_phase : (i / stages) & 1);
         const unsigned base = ring + s * STAGE;
         if constexpr (W8) {
-            // This warp's 64 columns: bytes [64 (warp % 2), + 64) of weight box warp / 2 and x box warp (or x's
-            // resident columns), in two rounds of 32 columns = two MMA steps.
-            float part[T][NT][4];
+            // scs[s][warp / 2][16 t + g + 8 h] times 2^56 (exact below 2^72), read now, used after the MMAs.
+            const unsigned at = scs + 4 * (s * 32 * T + (warp >> 1) * 16 * T + g);
 #pragma unroll
             for (int t = 0; t < T; ++t)
 #pragma unroll
-                for (int n = 0; n < NT; ++n) part[t][n][0] = part[t][n][1] = part[t][n][2] = part[t][n][3] = 0.f;
+                for (int h = 0; h < 2; ++h) {
+                    sc0[t][h] = lds32(at + 4 * (16 * t + 8 * h));
+                    sc0[t][h] *= __int_as_float(0x5B800000);  // 2^56
+                }
+        }
+        if constexpr (W8) {
+            // This warp's 64 columns: bytes [64 (warp % 2), + 64) of weight box warp / 2 and x box warp (or x's
+            // resident columns), in two rounds of 32 columns = two MMA steps, each round its own partial sums.
+            float part[2][T][NT][4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int t = 0; t < T; ++t)
+#pragma unroll
+                    for (int n = 0; n < NT; ++n)
+                        part[h][t][n][0] = part[h][t][n][1] = part[h][t][n][2] = part[h][t][n][3] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < 64; kk += 32) {
                 unsigned b[2][NT][2];  // [MMA step][token tile][register]
@@ -316,12 +423,16 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                     for (int n = 0; n < NT; ++n) {
                         const int e = kk + 16 * step + 4 * c;  // column of the warp's 64: x[token][e .. e + 3]
                         const unsigned xa = XRES
-                            ? b_res8 + 2 * ((i % ktiles) * KT + warp * 64 + e)
+                            ? b_res8 + 2 * (kt() * KT + warp * 64 + e)
                             : base + WBOXES * WBOX + warp * XBOX + (8 * n + g) * 128 + (((e / 8) ^ g) << 4) + 2 * (e % 8);
                         unsigned x0, x1;
                         lds64(xa, x0, x1);
                         b[step][n][0] = __byte_perm(x0, x1, 0x5410);  // x[e], x[e + 2]
                         b[step][n][1] = __byte_perm(x0, x1, 0x7632);  // x[e + 1], x[e + 3]
+                        if constexpr (!XRES) {  // restores 2^64 of the codes' 2^-120 (resident x: done)
+                            b[step][n][0] = bf16x2_times_2_64(b[step][n][0]);
+                            b[step][n][1] = bf16x2_times_2_64(b[step][n][1]);
+                        }
                     }
                 const unsigned wa = base + (warp >> 1) * WBOX + a_row +
                                     (((((warp & 1) * 64 + kk) / 16 + a_half) ^ key) << 4);
@@ -335,8 +446,8 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                     e4m3x4_to_bf16(r3, lo3, hi3);
 #pragma unroll
                     for (int n = 0; n < NT; ++n) {
-                        mma_bf16(part[t][n], lo0, lo1, hi0, hi1, b[0][n][0], b[0][n][1]);
-                        mma_bf16(part[t][n], lo2, lo3, hi2, hi3, b[1][n][0], b[1][n][1]);
+                        mma_bf16(part[kk / 32][t][n], lo0, lo1, hi0, hi1, b[0][n][0], b[0][n][1]);
+                        mma_bf16(part[kk / 32][t][n], lo2, lo3, hi2, hi3, b[1][n][0], b[1][n][1]);
                     }
                 }
             }
@@ -345,14 +456,14 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
 #pragma unroll
                 for (int n = 0; n < NT; ++n)
 #pragma unroll
-                    for (int r = 0; r < 4; ++r) acc[t][n][r] += sc0[t][r >> 1] * part[t][n][r];
+                    for (int r = 0; r < 4; ++r) acc[t][n][r] += sc0[t][r >> 1] * (part[0][t][n][r] + part[1][t][n][r]);
         } else {
 #pragma unroll
         for (int kk = 0; kk < KT / SG_COMPUTE_WARPS; kk += 16) {
             const int k0 = warp * (KT / SG_COMPUTE_WARPS) + kk;  // stage column of this MMA step
             const unsigned box = k0 / 64, chunk = (k0 % 64) / 8;
             unsigned b[NT][2];
-            const unsigned xa = XRES ? b_res + 2 * ((i % ktiles) * KT + k0)
+            const unsigned xa = XRES ? b_res + 2 * (kt() * KT + k0)
                                      : base + BOXES * WBOX + box * XBOX + b_row + (((chunk + b_half) ^ key) << 4);
             if (NT == 2) ldmatrix_x4(xa, b[0][0], b[0][1], b[NT - 1][0], b[NT - 1][1]);
             else ldmatrix_x2(xa, b[0][0], b[0][1]);
@@ -369,7 +480,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
         __syncwarp();
         if (lane == 0) mbar_arrive(empty0 + 8 * s);
 
-        if ((i + 1) % ktiles) continue;
+        if (W8 ? ring_kt + 1 != ktiles : (i + 1) % ktiles != 0) continue;
         // End of a row block: add the four warps' partials in a fixed order and write the outputs.
         float* mine = &acc[0][0][0];
         if (warp > 0) {
@@ -377,7 +488,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
             for (int r = 0; r < NACC; ++r) red[((warp - 1) * NACC + r) * 32 + lane] = mine[r];
         }
         asm volatile("bar.sync 1, %0;" ::"n"(32 * SG_COMPUTE_WARPS) : "memory");
-        const int row0 = (blockIdx.x + (i / ktiles) * gridDim.x) * 16 * T;
+        const int row0 = (blockIdx.x + blk() * gridDim.x) * 16 * T;
         if (warp == 0) {
             for (int p = 0; p < SG_COMPUTE_WARPS - 1; ++p) {
 #pragma unroll

@@ -29,7 +29,8 @@ FP8 weights (fp8_weight.Fp8Weight: E4M3 codes [N, K] with float32 scales per 128
 row) stream through the same kernel (its W8 instantiations, compiled as a module of their own so that the bf16
 build is unchanged): half the weight bytes per stage, the codes decoded to bf16 on chip (exactly), each 64-column
 partial sum scaled in float32. Every epilogue works the same; the plan is a function of (N, K, the weight's format)
-and the device, still never of M.
+and the device, still never of M. The scales come into shared memory with the codes (the copy warp stages them),
+so no compute warp waits on a global load in its loop.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ import cupy
 from cudflash.backends import kernel_loader, pdl
 from cudflash.backends.base import DeferredNorm
 from cudflash.backends.cuda_util import i32
-from cudflash.backends.fp8_weight import Fp8Weight
+from cudflash.backends.fp8_weight import SCALE_COLS, Fp8Weight
 from cudflash.backends.tuning import CudaTuning
 from cudflash.errors import BackendError
 
@@ -75,8 +76,10 @@ class Plan:
     @staticmethod
     def stage_bytes(t: int, x_resident: bool = False, w8: bool = False) -> int:
         """One ring stage: the weight's KT columns of 16 t rows (bf16, or one byte per code: w8), and KT / BOX_K x
-        boxes [16][BOX_K] bf16 unless x is resident."""
-        return 16 * t * KT * (1 if w8 else 2) + (0 if x_resident else KT // BOX_K * 16 * BOX_K * 2)
+        boxes [16][BOX_K] bf16 unless x is resident; w8: and the stage's scales, KT / 128 x 16 t float32 (the
+        copy warp stages them beside the codes)."""
+        return (16 * t * KT * (1 if w8 else 2) + (0 if x_resident else KT // BOX_K * 16 * BOX_K * 2)
+                + (KT // SCALE_COLS * 16 * t * 4 if w8 else 0))
 
     def smem(self, x_bytes: int | None = None) -> int:
         """Dynamic shared memory to request, with x's rows resident (`x_bytes`) or in boxes (None): at least
@@ -259,8 +262,18 @@ def row_scaled(x: DeferredNorm, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, nu
             Epilogue(ssq=part.ssq.data.ptr, parts=part.ssq.shape[0], width=part.normed.shape[1], eps=x.eps))
 
 
+def kernel_name(m: int, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_sms: int, epilogue: int = PLAIN) -> str:
+    """The instantiation a launch for x [m, K] @ w.T into y takes (a microbench compiles just the ones it needs:
+    `_launch`'s `names`)."""
+    n, k = w.shape
+    w8 = isinstance(w, Fp8Weight)
+    plan = plan_for(n, k, num_sms, w8)
+    return _name(plan.t, 1 if m <= 8 else 2, _Y[y.dtype.name], epilogue, resident_x_bytes(m, k, w8) is not None, w8)
+
+
 def _launch(x: cupy.ndarray, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
-            epilogue: int, epi: Epilogue) -> None:
+            epilogue: int, epi: Epilogue, names: tuple[str, ...] | None = None) -> None:
+    """names: the instantiations to compile into the module (default: all of the weight format's)."""
     m, k = x.shape
     n = w.shape[0]
     w8 = isinstance(w, Fp8Weight)
@@ -268,8 +281,8 @@ def _launch(x: cupy.ndarray, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_s
         raise BackendError(f"stream_gemm swiglu: weight rows {n} (need a multiple of 16), y {y.shape} {y.dtype}")
     plan = plan_for(n, k, num_sms, w8)
     x_bytes = resident_x_bytes(m, k, w8)
-    name = _name(plan.t, 1 if m <= 8 else 2, _Y[y.dtype.name], epilogue, x_bytes is not None, w8)
-    kern = kernel_loader.function("stream_gemm", name, _NAMES_W8 if w8 else _NAMES, tuning=tuning)
+    name = kernel_name(m, w, y, num_sms, epilogue)
+    kern = kernel_loader.function("stream_gemm", name, names or (_NAMES_W8 if w8 else _NAMES), tuning=tuning)
     smem = plan.smem(x_bytes)
     kern.reserve_shared(smem)
     ldx = x.strides[0] // x.itemsize if m > 1 else k
