@@ -24,13 +24,10 @@
 //   normalised rows, k k^T and q k^T (bf16 mma), the unit lower-triangular inverse T in float32 (one thread per
 //   column, forward substitution in registers), u and w (bf16 mma).
 // gdn_chunk_scan<DK, BV>: grid (DV / BV, HV, n), GC_THREADS threads, dynamic shared memory
-//   (cuda_gdn_chunk.scan_smem, GcScanLayout). The state's columns j0 .. j0 + BV - 1 live in registers as mma
-//   accumulators for the whole sequence (warp w owns the 16-row tiles w, w + 4, ... of dk); each chunk's w, qg, kd,
-//   intra and this CTA's u columns are brought in with cp.async one chunk ahead (double buffered); the state goes to
-//   shared memory as bf16 for the two products that read it.
-// gdn_chunk_scan_mc<DK, BV, CL>: the same, the DV / BV = CL column blocks of a head one thread-block cluster: every
-//   CTA needs the same w, qg, kd, intra, so each fetches 1/CL of their rows and multicasts them into all CL CTAs'
-//   buffers (cp.async.bulk, mbarriers), cutting the L2 reads that bound the scan CL-fold. sm_90 and later.
+//   (cuda_gdn_chunk.scan_smem). The state's columns j0 .. j0 + BV - 1 live in registers as mma accumulators for the
+//   whole sequence (warp w owns the 16-row tiles w, w + 4, ... of dk); each chunk's w, qg, kd, intra are brought in
+//   with cp.async one chunk ahead (double buffered), the state goes to shared memory as bf16 for the two products
+//   that read it.
 //
 // Precision: every tensor-core product takes bf16 operands with float32 accumulation (as FLA's kernels); the
 // gates, decays, cumulative sums, normalisation, the triangular inverse, u (added in float32), the state and the
@@ -43,7 +40,7 @@
 #define GC_CHUNK 64  // rows per chunk (gdn_numpy.GDN_CHUNK)
 #define GC_THREADS 128  // 4 warps: one 16-row tile of the chunk each
 #define L2_EPS 1e-6f  // gdn_numpy.L2_EPS
-#define GC_ROWS_AT_ONCE 8  // rows a warp of the prepare kernel loads together
+#define GC_ROWS_AT_ONCE 4  // rows a warp of the prepare kernel loads together
 #define GC_PAD 8  // bf16 padding per shared-memory row: strides of an odd multiple of 16 bytes, ldmatrix conflict-free
 
 __device__ __forceinline__ float gc_sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
@@ -125,17 +122,6 @@ __global__ void __launch_bounds__(GC_THREADS) gdn_chunk_prepare(
     const long long blk = (long long)(gc_chunk_base(cu, s) + c) * HV + h;
     const int hk = h / (HV / HK);
     const float* base_row = qkv + (long long)(lo + r0) * sq;
-    {  // the chunk's q, k, v rows towards L2 now: the row loads below then wait on L2, not DRAM
-        constexpr int QL = (DK * 4 + 127) / 128, VL = (DV * 4 + 127) / 128, LINES = 2 * QL + VL;  // 128-byte lines
-        for (int q = tid; q < rows * LINES; q += GC_THREADS) {
-            const int part = q % LINES;
-            const float* row = base_row + (long long)(q / LINES) * sq;
-            const float* p = part < QL       ? row + hk * DK + part * 32
-                             : part < 2 * QL ? row + (HK + hk) * DK + (part - QL) * 32
-                                             : row + 2LL * HK * DK + (long long)h * DV + (part - 2 * QL) * 32;
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-        }
-    }
 
     // Gates of the chunk's rows (zero for the padding rows), then G: a serial sum, numpy's cumsum order.
     if (tid < GC_CHUNK) {
@@ -324,219 +310,21 @@ __global__ void __launch_bounds__(GC_THREADS) gdn_chunk_prepare(
     }
 }
 
-// The scan's shared-memory layout (both kernels; cuda_gdn_chunk.scan_smem mirrors it), in bf16 elements unless
-// said: two chunk buffers, each [w | qg | kd: [64][KS] each; intra [64][IS]; u: [64][US] float32], then the state's
-// columns s_h [DK][HS] and v' s_vn [64][HS] (bf16), then (multicast kernel) two 8-byte mbarriers.
-template <int DK, int BV>
-struct GcScanLayout {
-    static constexpr int KS = DK + GC_PAD, IS = GC_CHUNK + GC_PAD, HS = BV + GC_PAD, US = BV + 8;
-    static constexpr int W = 0, QG = GC_CHUNK * KS, KD = 2 * GC_CHUNK * KS, INTRA = 3 * GC_CHUNK * KS;
-    static constexpr int U = INTRA + GC_CHUNK * IS;  // bf16 offset of the float32 u tile
-    static constexpr int BUF = U + 2 * GC_CHUNK * US;  // bf16 elements of one chunk buffer
-    static constexpr int H = 2 * BUF, VN = H + DK * HS, END = VN + GC_CHUNK * HS;
-};
-
-// One chunk's w, qg, kd, intra (bf16 blocks of the scratch, contiguous) and this CTA's columns of u into one
-// buffer; every thread issues its share of 16-byte cp.async copies.
-template <int DK, int BV>
-__device__ __forceinline__ void gc_load_chunk(bf16* buf, const bf16* __restrict__ w, const bf16* __restrict__ qg,
-                                              const bf16* __restrict__ kd, const bf16* __restrict__ intra,
-                                              const float* __restrict__ u, int DV) {
-    using L = GcScanLayout<DK, BV>;
-    constexpr int KC = DK / 8, UC = BV / 4;  // 16-byte pieces per row
+// One chunk's w, qg, kd, intra (bf16 blocks of the scratch, contiguous) into one shared-memory buffer; every thread
+// issues its share of 16-byte cp.async copies.
+template <int DK>
+__device__ __forceinline__ void gc_load_chunk(bf16* s_w, bf16* s_qg, bf16* s_kd, bf16* s_intra,
+                                              const bf16* __restrict__ w, const bf16* __restrict__ qg,
+                                              const bf16* __restrict__ kd, const bf16* __restrict__ intra) {
+    constexpr int KS = DK + GC_PAD, IS = GC_CHUNK + GC_PAD, KC = DK / 8;  // KC: 16-byte pieces per row
     for (int q = threadIdx.x; q < GC_CHUNK * KC; q += GC_THREADS) {
-        const int off = (q / KC) * L::KS + (q % KC) * 8;
-        gc_cp_async16(buf + L::W + off, w + q * 8);
-        gc_cp_async16(buf + L::QG + off, qg + q * 8);
-        gc_cp_async16(buf + L::KD + off, kd + q * 8);
+        const int off = (q / KC) * KS + (q % KC) * 8;
+        gc_cp_async16(s_w + off, w + q * 8);
+        gc_cp_async16(s_qg + off, qg + q * 8);
+        gc_cp_async16(s_kd + off, kd + q * 8);
     }
     for (int q = threadIdx.x; q < GC_CHUNK * GC_CHUNK / 8; q += GC_THREADS)
-        gc_cp_async16(buf + L::INTRA + (q / 8) * L::IS + (q % 8) * 8, intra + q * 8);
-    float* su = reinterpret_cast<float*>(buf + L::U);
-    for (int q = threadIdx.x; q < GC_CHUNK * UC; q += GC_THREADS)
-        gc_cp_async16(su + (q / UC) * L::US + (q % UC) * 4, u + (long long)(q / UC) * DV + (q % UC) * 4);
-}
-
-// The state's tiles in registers: tile (mt = warp + 4 mi, nt) holds rows mt 16 + g8 (+8), columns nt 8 + 2 t4 (+1)
-// of this CTA's columns, as an mma accumulator.
-template <int DK, int BV>
-struct GcState {
-    static constexpr int MT = DK / 16, MPW = (MT + 3) / 4, NT = BV / 8;  // row tiles, per warp; column tiles
-    float acc[MPW][NT][4];
-};
-
-// S (this CTA's columns: S points at column j0 of row 0, rows DV apart) into / out of the registers.
-template <int DK, int BV>
-__device__ __forceinline__ void gc_state_io(GcState<DK, BV>& st, float* S, int DV, bool store) {
-    using St = GcState<DK, BV>;
-    const int warp = threadIdx.x >> 5, g8 = (threadIdx.x & 31) >> 2, t4 = threadIdx.x & 3;
-#pragma unroll
-    for (int mi = 0; mi < St::MPW; ++mi) {
-        const int mt = warp + 4 * mi;
-#pragma unroll
-        for (int n = 0; n < St::NT; ++n) {
-            float* top = S + (long long)(mt * 16 + g8) * DV + n * 8 + 2 * t4;
-            float* bottom = top + 8LL * DV;
-            if (mt >= St::MT) {  // a warp without this tile (dk < 64)
-                if (!store) st.acc[mi][n][0] = st.acc[mi][n][1] = st.acc[mi][n][2] = st.acc[mi][n][3] = 0.f;
-            } else if (store) {
-                *reinterpret_cast<float2*>(top) = make_float2(st.acc[mi][n][0], st.acc[mi][n][1]);
-                *reinterpret_cast<float2*>(bottom) = make_float2(st.acc[mi][n][2], st.acc[mi][n][3]);
-            } else {
-                const float2 a = *reinterpret_cast<const float2*>(top), b = *reinterpret_cast<const float2*>(bottom);
-                st.acc[mi][n][0] = a.x;
-                st.acc[mi][n][1] = a.y;
-                st.acc[mi][n][2] = b.x;
-                st.acc[mi][n][3] = b.y;
-            }
-        }
-    }
-}
-
-// One chunk of the scan, the chunk's buffer complete and visible to every thread: S to shared memory as bf16,
-// v' = u - w S, o = qg S + intra v' for the chunk's real rows (row0 .. of the sequence, len rows in all), then
-// S = decay S + kd^T v'. Ends with every thread past its last read of s_h and s_vn but not of the buffer (the
-// caller's barrier frees it).
-template <int DK, int BV>
-__device__ __forceinline__ void gc_scan_step(const bf16* buf, bf16* s_h, bf16* s_vn, GcState<DK, BV>& st,
-                                             float decay, float* o_base, long long ostride, int row0, int len) {
-    using L = GcScanLayout<DK, BV>;
-    using St = GcState<DK, BV>;
-    constexpr int NT = St::NT, KS = L::KS, IS = L::IS, HS = L::HS, US = L::US;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
-    const bf16* s_w = buf + L::W;
-    const bf16* s_qg = buf + L::QG;
-    const bf16* s_kd = buf + L::KD;
-    const bf16* s_intra = buf + L::INTRA;
-    const float* s_u = reinterpret_cast<const float*>(buf + L::U);
-#pragma unroll
-    for (int mi = 0; mi < St::MPW; ++mi) {
-        const int mt = warp + 4 * mi;
-        if (mt >= St::MT) continue;
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            const int r = mt * 16 + g8, col = n * 8 + 2 * t4;
-            *reinterpret_cast<unsigned*>(s_h + r * HS + col) = pack_bf16x2(st.acc[mi][n][0], st.acc[mi][n][1]);
-            *reinterpret_cast<unsigned*>(s_h + (r + 8) * HS + col) = pack_bf16x2(st.acc[mi][n][2], st.acc[mi][n][3]);
-        }
-    }
-    __syncthreads();  // all of s_h
-
-    // w S and qg S for rows 16 warp ..
-    float wh[NT][4], oacc[NT][4];
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) wh[n][e] = oacc[n][e] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < DK / 16; ++ks) {
-        unsigned wa0, wa1, wa2, wa3, qa0, qa1, qa2, qa3;
-        const int arow = warp * 16 + (lane & 15), acol = ks * 16 + (lane >> 4) * 8;
-        ldmatrix_x4(smem_addr(s_w + arow * KS + acol), wa0, wa1, wa2, wa3);
-        ldmatrix_x4(smem_addr(s_qg + arow * KS + acol), qa0, qa1, qa2, qa3);
-#pragma unroll
-        for (int np = 0; np < BV / 16; ++np) {
-            unsigned b0, b1, b2, b3;
-            ldmatrix_x4_trans(smem_addr(s_h + (ks * 16 + (lane & 15)) * HS + np * 16 + (lane >> 4) * 8), b0, b1, b2,
-                              b3);
-            mma_bf16(wh[2 * np], wa0, wa1, wa2, wa3, b0, b1);
-            mma_bf16(wh[2 * np + 1], wa0, wa1, wa2, wa3, b2, b3);
-            mma_bf16(oacc[2 * np], qa0, qa1, qa2, qa3, b0, b1);
-            mma_bf16(oacc[2 * np + 1], qa0, qa1, qa2, qa3, b2, b3);
-        }
-    }
-    // v' = u - w S (padding rows: 0 - 0), as bf16 for the two products that read it.
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-        const int r = warp * 16 + g8, col = n * 8 + 2 * t4;
-        const float2 ut = *reinterpret_cast<const float2*>(s_u + r * US + col);
-        const float2 ub = *reinterpret_cast<const float2*>(s_u + (r + 8) * US + col);
-        *reinterpret_cast<unsigned*>(s_vn + r * HS + col) = pack_bf16x2(ut.x - wh[n][0], ut.y - wh[n][1]);
-        *reinterpret_cast<unsigned*>(s_vn + (r + 8) * HS + col) = pack_bf16x2(ub.x - wh[n][2], ub.y - wh[n][3]);
-    }
-    __syncthreads();  // all of v' is in s_vn
-
-    // o += intra v' (intra is lower triangular: k-steps ks <= warp), then the real rows go out.
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-        if (ks > warp) continue;
-        unsigned ia0, ia1, ia2, ia3;
-        ldmatrix_x4(smem_addr(s_intra + (warp * 16 + (lane & 15)) * IS + ks * 16 + (lane >> 4) * 8), ia0, ia1, ia2,
-                    ia3);
-#pragma unroll
-        for (int np = 0; np < BV / 16; ++np) {
-            unsigned b0, b1, b2, b3;
-            ldmatrix_x4_trans(smem_addr(s_vn + (ks * 16 + (lane & 15)) * HS + np * 16 + (lane >> 4) * 8), b0, b1, b2,
-                              b3);
-            mma_bf16(oacc[2 * np], ia0, ia1, ia2, ia3, b0, b1);
-            mma_bf16(oacc[2 * np + 1], ia0, ia1, ia2, ia3, b2, b3);
-        }
-    }
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-        const int r = row0 + warp * 16 + g8 + hf * 8;
-        if (r < len) {
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-                *reinterpret_cast<float2*>(o_base + (long long)r * ostride + n * 8 + 2 * t4) =
-                        make_float2(oacc[n][2 * hf], oacc[n][2 * hf + 1]);
-        }
-    }
-
-    // S = e^{G_last} S + kd^T v': A = kd^T (ldmatrix .trans of kd's [row][d] tile), B = v'.
-#pragma unroll
-    for (int mi = 0; mi < St::MPW; ++mi) {
-        const int mt = warp + 4 * mi;
-        if (mt >= St::MT) continue;
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) st.acc[mi][n][e] *= decay;
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks) {
-            unsigned ka0, ka1, ka2, ka3;
-            const int krow = ks * 16 + (lane & 7) + ((lane >> 4) << 3), kcol = mt * 16 + ((lane >> 3) & 1) * 8;
-            ldmatrix_x4_trans(smem_addr(s_kd + krow * KS + kcol), ka0, ka1, ka2, ka3);
-#pragma unroll
-            for (int np = 0; np < BV / 16; ++np) {
-                unsigned b0, b1, b2, b3;
-                ldmatrix_x4_trans(smem_addr(s_vn + (ks * 16 + (lane & 15)) * HS + np * 16 + (lane >> 4) * 8), b0, b1,
-                                  b2, b3);
-                mma_bf16(st.acc[mi][2 * np], ka0, ka1, ka2, ka3, b0, b1);
-                mma_bf16(st.acc[mi][2 * np + 1], ka0, ka1, ka2, ka3, b2, b3);
-            }
-        }
-    }
-}
-
-// The scan's per-CTA setup shared by both kernels: returns false (after writing a padding sequence's zero rows) when
-// there is nothing to scan. Uniform over the CTA, and over a cluster (whose CTAs share the sequence and head).
-struct GcScanJob {
-    float* o_base;  // out at the sequence's first row, this head's column j0
-    float* S;  // the state's row 0 at column j0
-    long long ostride, blk0;  // out's row stride; the scratch block of the sequence's chunk 0 (chunk c: + c HV)
-    int len, chunks;
-};
-template <int BV>
-__device__ __forceinline__ bool gc_scan_job(GcScanJob& job, float* __restrict__ states, const int* __restrict__ slots,
-                                            const int* __restrict__ cu, float* __restrict__ out, int HV, int DK,
-                                            int DV) {
-    const int j0 = blockIdx.x * BV, h = blockIdx.y, s = blockIdx.z;
-    const int slot = slots[s];
-    const int lo = cu[s];
-    job.len = cu[s + 1] - lo;
-    if (job.len <= 0) return false;
-    job.ostride = (long long)HV * DV;
-    job.o_base = out + (long long)lo * job.ostride + (long long)h * DV + j0;
-    if (slot < 0) {  // a padding sequence: zero rows, as numpy's
-        for (int q = threadIdx.x; q < job.len * BV; q += GC_THREADS)
-            job.o_base[(long long)(q / BV) * job.ostride + q % BV] = 0.f;
-        return false;
-    }
-    job.chunks = (job.len + GC_CHUNK - 1) / GC_CHUNK;
-    job.blk0 = (long long)gc_chunk_base(cu, s) * HV + h;
-    job.S = states + ((long long)slot * HV + h) * DK * DV + j0;
-    return true;
+        gc_cp_async16(s_intra + (q / 8) * IS + (q % 8) * 8, intra + q * 8);
 }
 
 template <int DK, int BV>
@@ -546,136 +334,200 @@ __global__ void __launch_bounds__(GC_THREADS) gdn_chunk_scan(
         float* __restrict__ states, const int* __restrict__ slots, const int* __restrict__ cu,
         float* __restrict__ out, int HV, int DV, int commit) {
     static_assert(DK % 16 == 0 && BV % 16 == 0, "dk and the column block must be multiples of 16");
-    using L = GcScanLayout<DK, BV>;
+    constexpr int KS = DK + GC_PAD, IS = GC_CHUNK + GC_PAD, HS = BV + GC_PAD;
+    constexpr int MT = DK / 16, MPW = (MT + 3) / 4, NT = BV / 8;  // state row tiles, per warp; column tiles
+    constexpr int BUF = 3 * GC_CHUNK * KS + GC_CHUNK * IS;  // bf16 elements of one chunk buffer
     extern __shared__ __align__(16) unsigned char gc_smem[];
-    bf16* smem = reinterpret_cast<bf16*>(gc_smem);
+    bf16* s_buf = reinterpret_cast<bf16*>(gc_smem);  // 2 x [w | qg | kd: [64][KS] each; intra [64][IS]]
+    bf16* s_h = s_buf + 2 * BUF;  // [DK][HS] the state's columns, bf16
+    bf16* s_vn = s_h + DK * HS;  // [64][HS] v' = u - w S, bf16
     pdl_launch_dependents();
+    const int j0 = blockIdx.x * BV, h = blockIdx.y, s = blockIdx.z;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g8 = lane >> 2, t4 = lane & 3;
     pdl_wait();
-    GcScanJob job;
-    if (!gc_scan_job<BV>(job, states, slots, cu, out, HV, DK, DV)) return;
-    const int j0 = blockIdx.x * BV;
-    GcState<DK, BV> st;
-    gc_state_io(st, job.S, DV, false);
-    auto load = [&](int c) {
-        const long long blk = job.blk0 + (long long)c * HV;
-        gc_load_chunk<DK, BV>(smem + (c & 1) * L::BUF, w_in + blk * GC_CHUNK * DK, qg_in + blk * GC_CHUNK * DK,
-                              kd_in + blk * GC_CHUNK * DK, intra_in + blk * GC_CHUNK * GC_CHUNK,
-                              u_in + blk * GC_CHUNK * DV + j0, DV);
+    const int slot = slots[s];
+    const int lo = cu[s], len = cu[s + 1] - lo;
+    if (len <= 0) return;  // uniform over the CTA (as the next branch)
+    const long long ostride = (long long)HV * DV;
+    float* o_base = out + (long long)lo * ostride + (long long)h * DV + j0;
+    if (slot < 0) {  // a padding sequence: zero rows, as numpy's
+        for (int q = tid; q < len * BV; q += GC_THREADS) o_base[(long long)(q / BV) * ostride + q % BV] = 0.f;
+        return;
+    }
+    const int chunks = (len + GC_CHUNK - 1) / GC_CHUNK;
+    const long long blk0 = (long long)gc_chunk_base(cu, s) * HV + h;  // chunk c: block blk0 + c HV
+    float* S = states + ((long long)slot * HV + h) * DK * DV + j0;  // [DK] rows of stride DV, this CTA's columns
+
+    // The state: tile (mt = warp + 4 mi, nt) holds rows mt 16 + g8 (+8), columns nt 8 + 2 t4 (+1).
+    float hacc[MPW][NT][4];
+#pragma unroll
+    for (int mi = 0; mi < MPW; ++mi) {
+        const int mt = warp + 4 * mi;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            float2 top = make_float2(0.f, 0.f), bottom = top;
+            if (mt < MT) {
+                const int r = mt * 16 + g8, col = n * 8 + 2 * t4;
+                top = *reinterpret_cast<const float2*>(S + (long long)r * DV + col);
+                bottom = *reinterpret_cast<const float2*>(S + (long long)(r + 8) * DV + col);
+            }
+            hacc[mi][n][0] = top.x;
+            hacc[mi][n][1] = top.y;
+            hacc[mi][n][2] = bottom.x;
+            hacc[mi][n][3] = bottom.y;
+        }
+    }
+
+    {
+        const long long blk = blk0;
+        gc_load_chunk<DK>(s_buf, s_buf + GC_CHUNK * KS, s_buf + 2 * GC_CHUNK * KS, s_buf + 3 * GC_CHUNK * KS,
+                          w_in + blk * GC_CHUNK * DK, qg_in + blk * GC_CHUNK * DK, kd_in + blk * GC_CHUNK * DK,
+                          intra_in + blk * GC_CHUNK * GC_CHUNK);
         gc_cp_async_commit();
-    };
-    load(0);
-    float decay_next = decay_in[job.blk0];
-    for (int c = 0; c < job.chunks; ++c) {
-        if (c + 1 < job.chunks) load(c + 1);  // into the other buffer, free since the last iteration's barrier
-        else gc_cp_async_commit();  // an empty group: "all but the newest" stays this chunk's
-        const float decay = decay_next;
-        if (c + 1 < job.chunks) decay_next = decay_in[job.blk0 + (long long)(c + 1) * HV];
+    }
+    for (int c = 0; c < chunks; ++c) {
+        const long long blk = blk0 + (long long)c * HV;
+        bf16* s_w = s_buf + (c & 1) * BUF;
+        bf16* s_qg = s_w + GC_CHUNK * KS;
+        bf16* s_kd = s_qg + GC_CHUNK * KS;
+        bf16* s_intra = s_kd + GC_CHUNK * KS;
+        if (c + 1 < chunks) {  // the next chunk into the other buffer (free since the last iteration's barrier)
+            const long long nb = blk + HV;
+            bf16* n_w = s_buf + ((c + 1) & 1) * BUF;
+            gc_load_chunk<DK>(n_w, n_w + GC_CHUNK * KS, n_w + 2 * GC_CHUNK * KS, n_w + 3 * GC_CHUNK * KS,
+                              w_in + nb * GC_CHUNK * DK, qg_in + nb * GC_CHUNK * DK, kd_in + nb * GC_CHUNK * DK,
+                              intra_in + nb * GC_CHUNK * GC_CHUNK);
+        }
+        gc_cp_async_commit();  // possibly empty: keeps "all but the newest group" meaning this chunk's
+        // The state as bf16, the B operand of w S and qg S.
+#pragma unroll
+        for (int mi = 0; mi < MPW; ++mi) {
+            const int mt = warp + 4 * mi;
+            if (mt >= MT) continue;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                const int r = mt * 16 + g8, col = n * 8 + 2 * t4;
+                *reinterpret_cast<unsigned*>(s_h + r * HS + col) = pack_bf16x2(hacc[mi][n][0], hacc[mi][n][1]);
+                *reinterpret_cast<unsigned*>(s_h + (r + 8) * HS + col) = pack_bf16x2(hacc[mi][n][2], hacc[mi][n][3]);
+            }
+        }
+        // u's tile and the chunk's decay: global loads in flight during the products below.
+        const float* u_blk = u_in + blk * GC_CHUNK * DV + j0;
+        float uu[NT][4];
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            const int r = warp * 16 + g8, col = n * 8 + 2 * t4;
+            const float2 top = *reinterpret_cast<const float2*>(u_blk + r * DV + col);
+            const float2 bottom = *reinterpret_cast<const float2*>(u_blk + (r + 8) * DV + col);
+            uu[n][0] = top.x;
+            uu[n][1] = top.y;
+            uu[n][2] = bottom.x;
+            uu[n][3] = bottom.y;
+        }
+        const float decay = decay_in[blk];
         gc_cp_async_wait<1>();
-        gc_scan_step<DK, BV>(smem + (c & 1) * L::BUF, smem + L::H, smem + L::VN, st, decay, job.o_base, job.ostride,
-                             c * GC_CHUNK, job.len);
+        __syncthreads();  // this chunk's buffer and s_h are complete
+
+        // w S and qg S for rows 16 warp ..
+        float wh[NT][4], oacc[NT][4];
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) wh[n][e] = oacc[n][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < DK / 16; ++ks) {
+            unsigned wa0, wa1, wa2, wa3, qa0, qa1, qa2, qa3;
+            const int arow = warp * 16 + (lane & 15), acol = ks * 16 + (lane >> 4) * 8;
+            ldmatrix_x4(smem_addr(s_w + arow * KS + acol), wa0, wa1, wa2, wa3);
+            ldmatrix_x4(smem_addr(s_qg + arow * KS + acol), qa0, qa1, qa2, qa3);
+#pragma unroll
+            for (int np = 0; np < BV / 16; ++np) {
+                unsigned b0, b1, b2, b3;
+                ldmatrix_x4_trans(smem_addr(s_h + (ks * 16 + (lane & 15)) * HS + np * 16 + (lane >> 4) * 8), b0, b1,
+                                  b2, b3);
+                mma_bf16(wh[2 * np], wa0, wa1, wa2, wa3, b0, b1);
+                mma_bf16(wh[2 * np + 1], wa0, wa1, wa2, wa3, b2, b3);
+                mma_bf16(oacc[2 * np], qa0, qa1, qa2, qa3, b0, b1);
+                mma_bf16(oacc[2 * np + 1], qa0, qa1, qa2, qa3, b2, b3);
+            }
+        }
+        // v' = u - w S (padding rows: 0 - 0), as bf16 for the two products that read it.
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            const int r = warp * 16 + g8, col = n * 8 + 2 * t4;
+            *reinterpret_cast<unsigned*>(s_vn + r * HS + col) = pack_bf16x2(uu[n][0] - wh[n][0], uu[n][1] - wh[n][1]);
+            *reinterpret_cast<unsigned*>(s_vn + (r + 8) * HS + col) =
+                    pack_bf16x2(uu[n][2] - wh[n][2], uu[n][3] - wh[n][3]);
+        }
+        __syncthreads();  // all of v' is in s_vn
+
+        // o += intra v' (intra is lower triangular: k-steps ks <= warp), then the real rows go out.
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+            if (ks > warp) continue;
+            unsigned ia0, ia1, ia2, ia3;
+            ldmatrix_x4(smem_addr(s_intra + (warp * 16 + (lane & 15)) * IS + ks * 16 + (lane >> 4) * 8), ia0, ia1,
+                        ia2, ia3);
+#pragma unroll
+            for (int np = 0; np < BV / 16; ++np) {
+                unsigned b0, b1, b2, b3;
+                ldmatrix_x4_trans(smem_addr(s_vn + (ks * 16 + (lane & 15)) * HS + np * 16 + (lane >> 4) * 8), b0, b1,
+                                  b2, b3);
+                mma_bf16(oacc[2 * np], ia0, ia1, ia2, ia3, b0, b1);
+                mma_bf16(oacc[2 * np + 1], ia0, ia1, ia2, ia3, b2, b3);
+            }
+        }
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int r = c * GC_CHUNK + warp * 16 + g8 + hf * 8;
+            if (r < len) {
+#pragma unroll
+                for (int n = 0; n < NT; ++n)
+                    *reinterpret_cast<float2*>(o_base + (long long)r * ostride + n * 8 + 2 * t4) =
+                            make_float2(oacc[n][2 * hf], oacc[n][2 * hf + 1]);
+            }
+        }
+
+        // S = e^{G_last} S + kd^T v': A = kd^T (ldmatrix .trans of kd's [row][d] tile), B = v'.
+#pragma unroll
+        for (int mi = 0; mi < MPW; ++mi) {
+            const int mt = warp + 4 * mi;
+            if (mt >= MT) continue;
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) hacc[mi][n][e] *= decay;
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) {
+                unsigned ka0, ka1, ka2, ka3;
+                const int krow = ks * 16 + (lane & 7) + ((lane >> 4) << 3), kcol = mt * 16 + ((lane >> 3) & 1) * 8;
+                ldmatrix_x4_trans(smem_addr(s_kd + krow * KS + kcol), ka0, ka1, ka2, ka3);
+#pragma unroll
+                for (int np = 0; np < BV / 16; ++np) {
+                    unsigned b0, b1, b2, b3;
+                    ldmatrix_x4_trans(smem_addr(s_vn + (ks * 16 + (lane & 15)) * HS + np * 16 + (lane >> 4) * 8), b0,
+                                      b1, b2, b3);
+                    mma_bf16(hacc[mi][2 * np], ka0, ka1, ka2, ka3, b0, b1);
+                    mma_bf16(hacc[mi][2 * np + 1], ka0, ka1, ka2, ka3, b2, b3);
+                }
+            }
+        }
         __syncthreads();  // s_h, s_vn and this chunk's buffer are free for the next iteration
     }
     gc_cp_async_wait<0>();
-    if (commit) gc_state_io(st, job.S, DV, true);
-}
-
-// ---- the multicast scan: the CL CTAs of a cluster are the DV / BV column blocks of one (sequence, head). They
-// read the same w, qg, kd, intra of every chunk, so each fetches 1/CL of the rows from L2 once and multicasts them
-// (cp.async.bulk .multicast::cluster) into every CTA's buffer; u is each CTA's own. A CTA's mbarrier per buffer
-// counts the whole chunk's bytes (its arrive sets the count; peers' copies may land before it, the phase cannot
-// complete without the arrive). A cluster barrier at the end of every chunk orders every CTA's last read of a buffer
-// before any CTA's copies into it two chunks later.
-__device__ __forceinline__ void gc_mbar_init(unsigned bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void gc_mbar_expect_tx(unsigned bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void gc_mbar_wait(unsigned bar, unsigned parity) {
-    unsigned done;
-    do {
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}
-__device__ __forceinline__ void gc_cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// bytes from global src to shared dst (both 16-byte aligned, bytes % 16 == 0), counted on bar.
-__device__ __forceinline__ void gc_bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-// The same into the same offset of every CTA of the cluster in mask, counted on each one's bar at that offset.
-__device__ __forceinline__ void gc_bulk_multicast(unsigned dst, const void* src, unsigned bytes, unsigned bar,
-                                                  unsigned short mask) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster "
-                 "[%0], [%1], %2, [%3], %4;"
-                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "h"(mask) : "memory");
-}
-
-template <int DK, int BV, int CL>
-__global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(GC_THREADS) gdn_chunk_scan_mc(
-        const bf16* __restrict__ w_in, const float* __restrict__ u_in, const bf16* __restrict__ qg_in,
-        const bf16* __restrict__ kd_in, const bf16* __restrict__ intra_in, const float* __restrict__ decay_in,
-        float* __restrict__ states, const int* __restrict__ slots, const int* __restrict__ cu,
-        float* __restrict__ out, int HV, int DV, int commit) {
-    static_assert(DK % 16 == 0 && BV % 16 == 0, "dk and the column block must be multiples of 16");
-    static_assert(GC_CHUNK % CL == 0 && 4 * (GC_CHUNK / CL) <= GC_THREADS, "one multicast row per thread at most");
-    using L = GcScanLayout<DK, BV>;
-    constexpr int RPR = GC_CHUNK / CL;  // rows of each matrix a rank fetches
-    constexpr unsigned CHUNK_BYTES = 3 * GC_CHUNK * DK * 2 + GC_CHUNK * GC_CHUNK * 2 + GC_CHUNK * BV * 4;
-    extern __shared__ __align__(16) unsigned char gc_smem[];
-    bf16* smem = reinterpret_cast<bf16*>(gc_smem);
-    const unsigned bar0 = smem_addr(smem + L::END);  // two mbarriers: buffer b's at bar0 + 8 b
-    pdl_launch_dependents();
-    pdl_wait();
-    GcScanJob job;
-    if (!gc_scan_job<BV>(job, states, slots, cu, out, HV, DK, DV)) return;  // the whole cluster returns
-    const int j0 = blockIdx.x * BV, tid = threadIdx.x;
-    const int rank = blockIdx.x % CL;  // == %cluster_ctarank: the cluster spans CL consecutive column blocks
-    if (tid == 0) {
-        gc_mbar_init(bar0, 1);
-        gc_mbar_init(bar0 + 8, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    gc_cluster_sync();  // every CTA's barriers are initialised before any copy signals them
-    GcState<DK, BV> st;
-    gc_state_io(st, job.S, DV, false);
-    auto load = [&](int c) {  // chunk c into buffer c & 1 of every CTA: this rank's rows, and this CTA's u
-        const long long blk = job.blk0 + (long long)c * HV;
-        bf16* buf = smem + (c & 1) * L::BUF;
-        const unsigned bar = bar0 + 8 * (c & 1);
-        if (tid == 0) gc_mbar_expect_tx(bar, CHUNK_BYTES);
-        for (int q = tid; q < 4 * RPR + GC_CHUNK; q += GC_THREADS) {
-            if (q < 4 * RPR) {
-                const int m = q / RPR, r = rank * RPR + q % RPR;
-                if (m < 3) {
-                    const bf16* src = (m == 0 ? w_in : m == 1 ? qg_in : kd_in) + (blk * GC_CHUNK + r) * DK;
-                    gc_bulk_multicast(smem_addr(buf + m * GC_CHUNK * L::KS + r * L::KS), src, DK * 2, bar,
-                                      (unsigned short)((1u << CL) - 1));
-                } else {
-                    gc_bulk_multicast(smem_addr(buf + L::INTRA + r * L::IS),
-                                      intra_in + (blk * GC_CHUNK + r) * GC_CHUNK, GC_CHUNK * 2, bar,
-                                      (unsigned short)((1u << CL) - 1));
-                }
-            } else {
-                const int r = q - 4 * RPR;
-                gc_bulk_copy(smem_addr(reinterpret_cast<float*>(buf + L::U) + r * L::US),
-                             u_in + (blk * GC_CHUNK + r) * DV + j0, BV * 4, bar);
+    if (commit) {
+#pragma unroll
+        for (int mi = 0; mi < MPW; ++mi) {
+            const int mt = warp + 4 * mi;
+            if (mt >= MT) continue;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                const int r = mt * 16 + g8, col = n * 8 + 2 * t4;
+                *reinterpret_cast<float2*>(S + (long long)r * DV + col) = make_float2(hacc[mi][n][0], hacc[mi][n][1]);
+                *reinterpret_cast<float2*>(S + (long long)(r + 8) * DV + col) =
+                        make_float2(hacc[mi][n][2], hacc[mi][n][3]);
             }
         }
-    };
-    load(0);
-    float decay_next = decay_in[job.blk0];
-    for (int c = 0; c < job.chunks; ++c) {
-        if (c + 1 < job.chunks) load(c + 1);  // buffer (c+1) & 1: every CTA finished with it (last cluster barrier)
-        const float decay = decay_next;
-        if (c + 1 < job.chunks) decay_next = decay_in[job.blk0 + (long long)(c + 1) * HV];
-        gc_mbar_wait(bar0 + 8 * (c & 1), (c >> 1) & 1);
-        gc_scan_step<DK, BV>(smem + (c & 1) * L::BUF, smem + L::H, smem + L::VN, st, decay, job.o_base, job.ostride,
-                             c * GC_CHUNK, job.len);
-        gc_cluster_sync();  // every CTA is done with buffer c & 1 (and with s_h, s_vn)
     }
-    if (commit) gc_state_io(st, job.S, DV, true);
 }

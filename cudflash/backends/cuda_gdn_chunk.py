@@ -26,12 +26,9 @@ HEAD_DIMS = (16, 32, 64, 128)  # dk = dv compiled (other shapes take the recurre
 BLOCK_DV = (16, 32, 64)  # state columns per scan CTA compiled (those <= dk)
 # The longest sequence of a call from which the chunked kernels are used; below it the recurrent kernel, which is
 # faster for a few rows (tests/gpu/test_gdn_chunk.py times both; BENCHMARKS.md).
-MIN_ROWS = 32
-CLUSTERS = (2, 4, 8)  # column blocks per head (dv / block_dv) for which the multicast scan is compiled
+MIN_ROWS = 64
 NAMES = (tuple(f"gdn_chunk_prepare<{d}, {d}>" for d in HEAD_DIMS)
-         + tuple(f"gdn_chunk_scan<{d}, {bv}>" for d in HEAD_DIMS for bv in BLOCK_DV if bv <= d)
-         + tuple(f"gdn_chunk_scan_mc<{d}, {bv}, {d // bv}>" for d in HEAD_DIMS for bv in BLOCK_DV
-                 if d // bv in CLUSTERS))
+         + tuple(f"gdn_chunk_scan<{d}, {bv}>" for d in HEAD_DIMS for bv in BLOCK_DV if bv <= d))
 
 
 def _kernel(name: str, tuning: CudaTuning) -> kernel_loader.Kernel:
@@ -56,13 +53,11 @@ def prepare_smem(dk: int, dv: int) -> int:
     return region0 + 2 * CHUNK * ((dk + PAD) + (dv + PAD)) + 4 * 2 * CHUNK
 
 
-def scan_smem(dk: int, block_dv: int, multicast: bool) -> int:
-    """Dynamic shared memory of gdn_chunk_scan<dk, block_dv> / gdn_chunk_scan_mc (bytes), GcScanLayout: two chunk
-    buffers (w, qg, kd, intra in bf16, this CTA's u columns in float32), the state's columns and v' in bf16, and the
-    multicast kernel's two mbarriers."""
-    buffer = 3 * CHUNK * (dk + PAD) + CHUNK * (CHUNK + PAD) + 2 * CHUNK * (block_dv + 8)  # bf16 elements
-    end = 2 * buffer + (dk + CHUNK) * (block_dv + PAD)
-    return 2 * end + (16 if multicast else 0)
+def scan_smem(dk: int, block_dv: int) -> int:
+    """Dynamic shared memory of gdn_chunk_scan<dk, block_dv> (bytes): two chunk buffers (w, qg, kd, intra), the
+    state's columns and v', all bf16."""
+    buffer = 3 * CHUNK * (dk + PAD) + CHUNK * (CHUNK + PAD)
+    return 2 * (2 * buffer + (dk + CHUNK) * (block_dv + PAD))
 
 
 def default_block_dv(dv: int) -> int:
@@ -76,10 +71,9 @@ def default_block_dv(dv: int) -> int:
 
 def gated_delta_rule(qkv: cupy.ndarray, a: cupy.ndarray, b: cupy.ndarray, A_log: cupy.ndarray,
                      dt_bias: cupy.ndarray, states: cupy.ndarray, slots, meta: AttentionMeta, commit: bool,
-                     tuning: CudaTuning, block_dv: int | None = None, multicast: bool | None = None) -> cupy.ndarray:
+                     tuning: CudaTuning, block_dv: int | None = None) -> cupy.ndarray:
     """base.Backend.gdn_chunked on tensor cores; returns o float32 [T, Hv * dv]. block_dv: the scan's columns per
-    CTA (default_block_dv when None); multicast: the cluster scan (default where compiled: dv / block_dv in CLUSTERS)
-    or the one whose CTAs each read every chunk themselves. The tests and the timing try each."""
+    CTA (default_block_dv when None; the timing tries the others)."""
     _pool(states, 4, "gdn_chunked")
     _, hv, dk, dv = states.shape
     if not supports(dk, dv):
@@ -100,11 +94,6 @@ def gated_delta_rule(qkv: cupy.ndarray, a: cupy.ndarray, b: cupy.ndarray, A_log:
     bv = default_block_dv(dv) if block_dv is None else block_dv
     if bv not in BLOCK_DV or bv > dk or dv % bv:
         raise BackendError(f"cuda gdn_chunked: block_dv {bv} (compiled {BLOCK_DV}, at most dk, dividing dv {dv})")
-    cluster = dv // bv
-    if multicast is None:
-        multicast = cluster in CLUSTERS
-    if multicast and cluster not in CLUSTERS:
-        raise BackendError(f"cuda gdn_chunked: no multicast scan for {cluster} column blocks (compiled {CLUSTERS})")
     slots, cu, n, max_rows, covered = _sequences(slots, meta)
     out = _output((t, hv * dv), covered)
     # Scratch blocks: every sequence's chunks, padding ones included (gc_chunk_base counts them the same way).
@@ -126,8 +115,8 @@ def gated_delta_rule(qkv: cupy.ndarray, a: cupy.ndarray, b: cupy.ndarray, A_log:
     prepare((cdiv(max_rows, CHUNK), hv, n), (THREADS,),
             (qkv, i64(sq), a, i64(sa), b, i64(sb), A_log, dt_bias, slots, cu, w, u, qg, kd, intra, decay, i32(hk),
              i32(hv), f32(float(np.float32(dk ** -0.5)))), shared_mem=smem)
-    scan = _kernel(f"gdn_chunk_scan_mc<{dk}, {bv}, {cluster}>" if multicast else f"gdn_chunk_scan<{dk}, {bv}>", tuning)
-    smem = scan_smem(dk, bv, multicast)
+    scan = _kernel(f"gdn_chunk_scan<{dk}, {bv}>", tuning)
+    smem = scan_smem(dk, bv)
     scan.reserve_shared(smem)
     scan((dv // bv, hv, n), (THREADS,),
          (w, u, qg, kd, intra, decay, states, slots, cu, out, i32(hv), i32(dv), i32(int(commit))), shared_mem=smem)

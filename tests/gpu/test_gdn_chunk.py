@@ -49,7 +49,7 @@ def close_chunked(got: np.ndarray, ref: np.ndarray, what: str) -> float:
     return err
 
 
-def run_both(cb, rng, dims, lens, slots, commit, block_dv=None, multicast=None):
+def run_both(cb, rng, dims, lens, slots, commit, block_dv=None):
     """(numpy out, numpy states after, device out, device states after, states before) for one call."""
     t = sum(lens)
     host, dev, states = gdn_inputs(rng, dims, t)
@@ -58,7 +58,7 @@ def run_both(cb, rng, dims, lens, slots, commit, block_dv=None, multicast=None):
     want_states = states.copy()
     want = nb.gdn_chunked(*host, want_states, np.asarray(slots, np.int32), host_meta, commit)
     got = cuda_gdn_chunk.gated_delta_rule(*dev, states_dev, cb.asarray(slots, "i32"), dev_meta, commit, cb.tuning,
-                                          block_dv=block_dv, multicast=multicast)
+                                          block_dv=block_dv)
     assert got.dtype == cp.float32 and got.shape == (t, dims[1] * dims[3])
     return want, want_states, cp.asnumpy(got), cp.asnumpy(states_dev), states
 
@@ -84,16 +84,12 @@ def test_chunked_matches_numpy(cb, rng, case, dims, commit):
         assert np.array_equal(got_states, states)  # bit for bit: the verify's rollback
 
 
-@pytest.mark.parametrize("multicast", [False, True], ids=["own-loads", "multicast"])
 @pytest.mark.parametrize("block_dv", cuda_gdn_chunk.BLOCK_DV)
-def test_every_scan_variant_matches_numpy(cb, rng, block_dv, multicast):
-    """Every column block, with and without the cluster multicast of the chunk data, on sequences of 3+ chunks (the
-    buffers and mbarrier phases cycle), one of them short."""
-    lens, slots = [200, 37, 1], [1, 3, 6]
-    want, want_states, got, got_states, _ = run_both(cb, rng, QWEN35_9B, lens, slots, True, block_dv=block_dv,
-                                                     multicast=multicast)
-    close_chunked(got, want, f"block_dv {block_dv} multicast {multicast} o")
-    close_chunked(got_states[slots], want_states[slots], f"block_dv {block_dv} multicast {multicast} state")
+def test_every_column_block_matches_numpy(cb, rng, block_dv):
+    lens, slots = [200, 37], [1, 3]
+    want, want_states, got, got_states, _ = run_both(cb, rng, QWEN35_9B, lens, slots, True, block_dv=block_dv)
+    close_chunked(got, want, f"block_dv {block_dv} o")
+    close_chunked(got_states[slots], want_states[slots], f"block_dv {block_dv} state")
 
 
 def test_chunked_matches_the_recurrent_kernel(cb, rng):
@@ -179,20 +175,18 @@ def timings(cb, rows_list=(16, 32, 64, 128, 256, 512, 2048, 8192)) -> list[dict]
         pool = cp.asarray(states)
         iters = max(3, min(50, 20000 // rows))
         rec = time_us(cb, lambda: cb.gdn_recurrent(*dev, pool, slots, meta, True), iters)
-        variants = [(bv, mc) for bv in cuda_gdn_chunk.BLOCK_DV for mc in (False, True)]
-        chunk = {f"bv{bv}{'mc' if mc else ''}": time_us(
-            cb, lambda bv=bv, mc=mc: cuda_gdn_chunk.gated_delta_rule(*dev, pool, slots, meta, True, cb.tuning,
-                                                                     block_dv=bv, multicast=mc), iters)
-            for bv, mc in variants}
+        chunk = {bv: time_us(cb, lambda bv=bv: cuda_gdn_chunk.gated_delta_rule(*dev, pool, slots, meta, True, cb.tuning,
+                                                                              block_dv=bv), iters)
+                 for bv in cuda_gdn_chunk.BLOCK_DV}
         best = min(chunk, key=chunk.get)
-        prep = prepare_only_us(cb, lambda: cuda_gdn_chunk.gated_delta_rule(*dev, pool, slots, meta, True, cb.tuning),
-                               iters)
+        prep = prepare_only_us(cb, lambda: cuda_gdn_chunk.gated_delta_rule(*dev, pool, slots, meta, True, cb.tuning,
+                                                                           block_dv=best), iters)
         byte_floor, flop_floor = floor_us(rows)
         floor = max(byte_floor, flop_floor)
         results.append(dict(rows=rows, recurrent_us=rec, chunked_us=chunk, prepare_us=prep, floor_us=floor))
         print(f"rows {rows:5d}: recurrent {rec:9.1f} us ({rec / floor:7.1f}x floor) | chunked "
-              + " ".join(f"{name} {us:7.1f}" for name, us in chunk.items())
-              + f" us (prepare {prep:7.1f}), best {best} {chunk[best] / floor:5.2f}x floor, "
+              + " ".join(f"bv{bv} {us:8.1f}" for bv, us in chunk.items())
+              + f" us (prepare {prep:7.1f}), best bv{best} {chunk[best] / floor:5.2f}x floor, "
               f"{rec / chunk[best]:6.1f}x faster | floor {floor:6.1f} us (bytes {byte_floor:.1f}, FLOPs "
               f"{flop_floor:.1f})")
     return results
