@@ -158,14 +158,16 @@ def weight_memory(llm: LLM) -> dict[str, dict[str, Any]]:
     return out
 
 
-def format_weight_memory(memory: dict[str, dict[str, Any]]) -> str:
+def format_weight_memory(memory: dict[str, dict[str, Any]], state_bytes: int = 0) -> str:
+    """The weights' device memory per model (and format), and a hybrid target's GDN state pools beside them."""
     parts = []
     for label, m in memory.items():
         formats = "" if not m["stored_by_format"] else " (" + ", ".join(
             f"{fmt}: {m['stored_by_format'][fmt] / 1e9:.3f} GB stored, {m['device_by_format'][fmt] / 1e9:.3f} GB on "
             f"the device" for fmt in m["stored_by_format"]) + ")"
         parts.append(f"{label} {m['device_bytes'] / 1e9:.3f} GB{formats}")
-    return "weights on the device: " + "; ".join(parts)
+    line = "weights on the device: " + "; ".join(parts)
+    return line + (f"; GDN state pools {state_bytes / 1e9:.3f} GB" if state_bytes else "")
 
 
 class PhaseTimer:
@@ -458,11 +460,11 @@ def run_bench(args, tuning: CudaTuning | None = None) -> str:
     report: dict[str, Any] = {"backend": llm.backend.name, "model": args.synthetic or str(target),
                               "drafter": args.drafter if synthetic else draft and str(draft), "copy_gb_per_s": copy,
                               "tuning": tuning.changed(), "weights": memory, "weight_format": weights,
-                              "draft_options": draft_options(args)}
+                              "draft_options": draft_options(args), "state_pool_bytes": llm.runner.state_bytes}
     if getattr(args, "prefill_only", False):
         prefills = [bench_prefill(llm, n, args.prompt_len) for n in batches]
         report["prefill"] = [asdict(r) for r in prefills]
-        table = format_prefill(prefills) + "\n" + format_weight_memory(memory)
+        table = format_prefill(prefills) + "\n" + format_weight_memory(memory, llm.runner.state_bytes)
     else:
         table = decode_report(llm, args, batches, synthetic, copy, memory, report)
     if args.json is not None:
@@ -483,7 +485,7 @@ def decode_report(llm: LLM, args, batches: list[int], synthetic: bool, copy: flo
     floors = [phase_floors_ms(r, n, copy) for r, n in zip(results, nbytes)]
     report.update(results=[asdict(r) for r in results], step_bytes=asdict(sizes), phase_bytes=nbytes,
                   floors_ms=floors)
-    table = format_table(results, copy) + "\n" + format_weight_memory(memory)
+    table = format_table(results, copy) + "\n" + format_weight_memory(memory, llm.runner.state_bytes)
     table += "\n" + format_floors(results, floors, nbytes)
     if getattr(args, "tree_budget", None):
         table += (f"\nspeculative steps verify a draft tree of {args.tree_budget} nodes per sequence "

@@ -130,6 +130,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=_int_arg(1, "an integer >= 1"), default=64,
                    help="sequences in flight at once")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (op by op on the GPU)")
+    p.add_argument("--num-state-snapshots", type=_int_arg(0, "an integer >= 0"), metavar="N",
+                   help="hybrid (Gated DeltaNet) targets: recurrent-state snapshots kept for prefix caching "
+                        "(default 2 x --max-num-seqs; each costs one sequence's state, 50 MiB at Qwen3.5-9B)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="shard the target over N ranks (1, 2, 4 or 8; the CPU backend simulates them in one process; "
                         "see docs/tensor_parallel.md)")
@@ -157,7 +160,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(backend=args.backend, block_size=args.block_size, draft_options=options,
                 max_num_seqs=args.max_num_seqs, memory_utilization=args.gpu_memory_utilization,
                 enforce_eager=args.enforce_eager, quantize=args.quantize, quantize_draft=args.quantize_draft,
-                tensor_parallel_size=args.tensor_parallel_size)
+                tensor_parallel_size=args.tensor_parallel_size, num_state_snapshots=args.num_state_snapshots)
 
 
 def add_generate_arguments(g: argparse.ArgumentParser) -> None:

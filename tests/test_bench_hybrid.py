@@ -97,6 +97,9 @@ def test_tiny_hybrid_bench_on_numpy_writes_the_floors_of_its_bytes(tmp_path):
     data = json.loads(out.read_text())
     pair = SYNTHETIC["tiny-hybrid"]
     assert data["step_bytes"]["state_bytes"] > 0
+    # The pools: 2 live slots (max_num_seqs = the largest batch), 2 x 2 snapshots and the zero slot.
+    assert data["state_pool_bytes"] == 7 * data["step_bytes"]["state_bytes"]
+    assert f"GDN state pools {data['state_pool_bytes'] / 1e9:.3f} GB" in r.stdout
     for x, nbytes, floors in zip(data["results"], data["phase_bytes"], data["floors_ms"]):
         want = expected_bytes(pair, x["batch"], 24, 16)
         assert nbytes == want

@@ -13,7 +13,7 @@ from cudflash.tiny import TinyShape, write_random_pair
 VOCAB = 256
 NOT_NUMBERS = ["abc", "", "1,5", "0x10", "1e", "--", "True", "١٢"]
 INT_OPTIONS = {"--max-new-tokens": 1, "--top-k": 0, "--max-num-seqs": 1, "--block-size": 1, "--draft-window": 0,
-               "--draft-context-window": 1, "--stop-token-ids": 0}
+               "--draft-context-window": 1, "--stop-token-ids": 0, "--num-state-snapshots": 0}
 FLOAT_OPTIONS = {"--temperature": ["-0.1", "1e-310", "nan", "inf", "-inf", "1e999"],
                  "--top-p": ["0", "-0.5", "1.01", "nan", "inf"],
                  "--gpu-memory-utilization": ["0", "-1", "2", "nan", "inf", "1.0001"],

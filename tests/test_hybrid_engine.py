@@ -11,6 +11,7 @@ from cudflash.backends.numpy_backend import NumpyBackend
 from cudflash.config import load_target_config
 from cudflash.engine.model_runner import ModelRunner
 from cudflash.engine.proposal import Proposal
+from cudflash.errors import ConfigError
 from cudflash.engine.propose import HostProposer
 from cudflash.models.hybrid_reference import OneSequence, greedy
 from cudflash.tiny import TinyHeads, TinyShape
@@ -277,3 +278,29 @@ def _seq(prompt):
     from cudflash.engine.sequence import Sequence
 
     return Sequence(99, list(prompt), GREEDY)
+
+
+@pytest.mark.parametrize("snapshots", [0, 5])
+def test_num_state_snapshots_sizes_the_pool_and_zero_turns_state_reuse_off(pairs, snapshots):
+    """The snapshot count is charged to memory as asked; with none, a follow-up turn finds no state to resume from
+    (no KV reused without it) and still generates what it generates without the cache."""
+    target, _ = pairs["conditional"]
+    turn1 = PROMPTS[2] + PROMPTS[1]
+    llm = LLM(target, backend="cpu", max_num_seqs=3, num_state_snapshots=snapshots)
+    runner = llm.runner
+    assert runner.states.size == 3 + snapshots + 1
+    assert runner.cache.states.shape[1] == runner.states.size
+    assert runner.state_bytes == runner.states.size * runner.target.state_bytes_per_slot()
+    first = llm.generate([turn1], SamplingParams(max_tokens=20, ignore_eos=True))[0].token_ids
+    turn2 = turn1 + first + [7, 8, 9]
+    llm.scheduler.num_prefix_hit_tokens = 0
+    out = llm.generate([turn2], GREEDY)[0].token_ids
+    assert out == greedy(runner.target, turn2, NEW)
+    assert (llm.scheduler.num_prefix_hit_tokens > 0) == (snapshots > 0)
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "2"])
+def test_num_state_snapshots_must_be_a_count(pairs, bad):
+    with pytest.raises(ConfigError) as e:
+        LLM(pairs["causal"][0], backend="cpu", num_state_snapshots=bad)
+    expect_error(e, "num_state_snapshots", repr(bad))

@@ -61,7 +61,7 @@ class LLM:
                  draft_options: DraftOptions | dict | None = None, enforce_eager: bool = False,
                  tuning: CudaTuning | dict | None = None, max_model_len: int | None = None,
                  check_weights: bool = True, quantize: str | None = None, quantize_draft: bool = False,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, num_state_snapshots: int | None = None):
         # A local folder, or a Hugging Face model id ("Org/Name": the local cache first, else a download).
         target = resolve_model(target, "target")
         draft = resolve_model(draft, "draft") if draft is not None else None
@@ -75,6 +75,9 @@ class LLM:
         self.max_model_len = max_model_len or limit
         if not isinstance(check_weights, bool):
             raise ConfigError(f"check_weights must be true or false, got {check_weights!r}")
+        if num_state_snapshots is not None and (not isinstance(num_state_snapshots, int)
+                                                or isinstance(num_state_snapshots, bool) or num_state_snapshots < 0):
+            raise ConfigError(f"num_state_snapshots must be an integer >= 0, got {num_state_snapshots!r}")
         self.draft_cfg = load_draft_config(draft) if draft is not None else None
         # The target's quantized format (None: unquantized) and the quantize choices, checked (quant/options.py).
         self.target_quant = check_quantize(target, draft, quantize, quantize_draft, random_weights)
@@ -113,7 +116,8 @@ class LLM:
                                   progress=progress, random_weights=random_weights, max_model_len=max_model_len,
                                   check_weights=check_weights, target_quant=self.target_quant,
                                   quantize=quantize, quantize_draft=quantize_draft,
-                                  tensor_parallel_size=check_tensor_parallel(tensor_parallel_size, self.backend))
+                                  tensor_parallel_size=check_tensor_parallel(tensor_parallel_size, self.backend),
+                                  num_state_snapshots=num_state_snapshots)
         self.runner.blocks.enable_prefix_caching = enable_prefix_caching
         proposer = make_proposer(self.runner, self.draft_options) if self.runner.draft is not None else None
         graphs = self.backend.name == "cuda" and not enforce_eager

@@ -85,7 +85,7 @@ class ModelRunner:
                  max_num_seqs: int = 64, memory_utilization: float = 0.9, progress: bool = False,
                  random_weights: bool = False, max_model_len: int | None = None, check_weights: bool = True,
                  target_quant: QuantScheme | None = None, quantize: str | None = None, quantize_draft: bool = False,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, num_state_snapshots: int | None = None):
         self.backend, self.target_cfg, self.draft_cfg = backend, target_cfg, draft_cfg
         # The longest prompt + output served; positions reach a draft block (and one pending token) past it.
         self.max_model_len = max_model_len or target_cfg.max_position_embeddings
@@ -126,10 +126,17 @@ class ModelRunner:
         if d is not None:
             per_position += d.num_layers * 2 * d.num_kv_heads * d.head_dim
         bytes_per_block = per_position * kv_block_size * backend.act_itemsize
-        # Hybrid targets: a live GDN state per admitted sequence, 2 x max_num_seqs prefix snapshots and the zero
-        # slot (engine/state_pool.py), charged to the budget before the KV blocks are sized.
-        self.states = StateSlots(max_num_seqs, 2 * max_num_seqs, self._copy_states) if self.hybrid else None
+        # Hybrid targets: a live GDN state per admitted sequence, num_state_snapshots prefix snapshots (default
+        # 2 x max_num_seqs; 0: prefix caching finds no state to resume from, so hybrids recompute every prompt) and
+        # the zero slot (engine/state_pool.py), charged to the budget before the KV blocks are sized.
+        snapshots = 2 * max_num_seqs if num_state_snapshots is None else num_state_snapshots
+        self.states = StateSlots(max_num_seqs, snapshots, self._copy_states) if self.hybrid else None
         state_bytes = self.states.size * self.target.state_bytes_per_slot() if self.hybrid else 0
+        self.state_bytes = state_bytes  # the GDN state pools' device memory (0: no recurrent layers)
+        if state_bytes and progress:
+            print(f"GDN states: {self.states.size} slots ({max_num_seqs} live, {snapshots} prefix snapshots, 1 zero) "
+                  f"x {self.target.state_bytes_per_slot() / 2**20:.1f} MiB = {state_bytes / 2**30:.2f} GiB",
+                  file=sys.stderr, flush=True)
         if num_kv_blocks is None:
             wanted = max_num_seqs * seq_blocks
             budget = int((backend.memory_budget(memory_utilization) - state_bytes) // bytes_per_block)
