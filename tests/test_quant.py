@@ -12,10 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cudflash.backends.numpy_backend import NumpyBackend
+from cudflash.backends.tuning import CudaTuning
 from cudflash.checkpoint import Checkpoint
+from cudflash.config import load_target_config
+from cudflash.engine.model_runner import ModelRunner
 from cudflash.engine.llm_engine import LLM
 from cudflash.errors import CheckpointError, ConfigError
 from cudflash.quant import QuantizedWeight, concat_rows, dequantize, quantize_fp8_block, read_quant_scheme
+from cudflash.quant.memory import dequantized_bytes, keep_fp8
 from cudflash.quant.numerics import (E4M3_TABLE, decode_e2m1, encode_e2m1, encode_e4m3, pack_e2m1, unpack_e2m1)
 from cudflash.quant.weight import dequantize_reference
 from cudflash.sampling_params import SamplingParams
@@ -496,3 +501,42 @@ def test_tiny_pair_quantized_speculative_greedy_equals_autoregressive(tiny_pair,
     assert [s.token_ids for s in spec] == [a.token_ids for a in ar]
     # A real drafter still drafts for the quantized target (bf16: tau 2.6 on these prompts).
     assert statistics.mean(statistics.mean(s.acceptance_lengths) for s in spec) > 1.5
+
+
+# ---- memory: FP8 stays FP8 on the GPU where its bf16 form would not fit (quant/memory.py)
+@pytest.mark.parametrize("fmt", ["qwen_fp8", "compressed_fp8", "modelopt_nvfp4"])
+def test_dequantized_bytes_count_each_weight_at_bf16(tmp_path, fmt):
+    d, out = _write(tmp_path, "q", fmt, ODD)
+    want = 0
+    for name, (tag, arr) in out.items():
+        if name.rsplit(".", 1)[-1] in ("weight_scale", "weight_scale_inv", "weight_scale_2", "input_scale"):
+            continue
+        codes = name.endswith(".weight") and tag in ("F8_E4M3", "U8")
+        want += arr.size * 2 * (2 if tag == "U8" else 1) if codes else arr.nbytes
+    assert dequantized_bytes(Checkpoint(d), 2) == want
+    bf16 = sum(a.nbytes if t == "BF16" else 0 for t, a in out.values())
+    assert want > bf16  # the codes count at two bytes each
+
+
+class _Tight(NumpyBackend):
+    """A numpy backend that carries a CUDA tuning and a fixed budget: the runner's choice is host arithmetic."""
+
+    def __init__(self, budget: int):
+        super().__init__()
+        self.tuning, self.budget = CudaTuning(), budget
+
+    def memory_budget(self, utilization: float) -> int:
+        return self.budget
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_fp8_stays_on_the_device_only_where_bf16_would_not_fit(tmp_path, fits):
+    d, _ = _write(tmp_path, "q", "qwen_fp8", ODD)
+    cfg = load_target_config(d)
+    weights = dequantized_bytes(Checkpoint(d), 4)  # the numpy backend's itemsize
+    kv = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4 * 64  # one sequence of max_model_len 64
+    backend = _Tight(weights + kv + (1 if fits else -1))
+    ModelRunner(cfg, None, backend, max_block_size=1, max_num_seqs=1, max_model_len=64,
+                target_quant=read_quant_scheme(d), num_kv_blocks=8)
+    assert backend.tuning.fp8_on_device is (not fits)
+    assert keep_fp8(10, 5, 15) is False and keep_fp8(10, 6, 15) is True

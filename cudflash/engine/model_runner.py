@@ -5,6 +5,7 @@ a drafter context update and a drafter block forward over a set of (sequence, to
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from typing import Any, Callable, TextIO
@@ -27,6 +28,7 @@ from cudflash.models.target import TargetModel
 from cudflash.models.weights import RandomWeights, WeightLoader, WeightMemory
 from cudflash.parallel.engine_target import TensorParallelTarget
 from cudflash.quant import QuantScheme
+from cudflash.quant.memory import dequantized_bytes, keep_fp8
 from cudflash.rope import device_rope_tables
 
 
@@ -96,6 +98,9 @@ class ModelRunner:
                 return RandomWeights(backend, seed=len(label), untied=not target_cfg.tie_word_embeddings)
             return _loader(Checkpoint(path), backend, label, progress, check_weights, quant, quantize)
 
+        if not random_weights:
+            self._keep_fp8_if_bf16_does_not_fit(target_cfg, draft_cfg, backend, target_quant, quantize,
+                                                memory_utilization, progress)
         # Weight bytes per format, as stored and on the device (empty with random weights: bench.weight_bytes counts).
         self.weight_memory: dict[str, WeightMemory] = {}
         # A checkpoint already in block-scaled FP8 keeps its own choice of unquantized modules (LLM checks the rest).
@@ -180,6 +185,31 @@ class ModelRunner:
         # One block more than the manager hands out: block `num_kv_blocks` is the dummy that padded rows and unused
         # block-table entries point at (never written: padded rows' slots are -1).
         self.dummy_block = num_kv_blocks
+
+    def _keep_fp8_if_bf16_does_not_fit(self, target_cfg: TargetConfig, draft_cfg: DraftConfig | None,
+                                       backend: Backend, target_quant: QuantScheme | None, quantize: str | None,
+                                       memory_utilization: float, progress: bool) -> None:
+        """A CUDA backend dequantizes FP8 weights to bf16 at load unless tuning.fp8_on_device: where the bf16 form
+        of the target (and drafter) would leave no room for the KV cache of one max_model_len sequence, this load
+        keeps the FP8 codes on the device instead (quant/memory.py), and says so."""
+        tuning = getattr(backend, "tuning", None)
+        fp8 = quantize == "fp8" or (target_quant is not None and target_quant.format == "fp8")
+        if tuning is None or not fp8 or tuning.fp8_on_device:
+            return
+        size = backend.act_itemsize
+        weights = dequantized_bytes(Checkpoint(target_cfg.path), size)
+        layers = len(target_cfg.hybrid.full_layers) if target_cfg.hybrid is not None else target_cfg.num_layers
+        kv = layers * 2 * target_cfg.num_kv_heads * target_cfg.head_dim * size
+        if draft_cfg is not None:
+            weights += dequantized_bytes(Checkpoint(draft_cfg.path), size)
+            kv += draft_cfg.num_layers * 2 * draft_cfg.num_kv_heads * draft_cfg.head_dim * size
+        budget = backend.memory_budget(memory_utilization)
+        if keep_fp8(weights, kv * self.max_model_len, budget):
+            backend.tuning = dataclasses.replace(tuning, fp8_on_device=True)
+            if progress:
+                print(f"FP8 weights stay FP8 on the device: their bf16 form ({weights / 2**30:.1f} GiB) and the KV "
+                      f"cache of one {self.max_model_len}-token sequence would not fit in {budget / 2**30:.1f} GiB",
+                      file=sys.stderr, flush=True)
 
     def _tensor_parallel_target(self, cfg: TargetConfig, first: WeightLoader | RandomWeights, backend: Backend,
                                 size: int, loader: Callable) -> TensorParallelTarget:
