@@ -16,7 +16,7 @@ from cudflash.backends.base import Backend
 from cudflash.checkpoint import Checkpoint, bf16_bits_to_float32
 from cudflash.model_files import shown
 from cudflash.errors import CheckpointError
-from cudflash.quant import QuantizedWeight, QuantScheme, concat_rows, quantize_fp8_block, read_quantized
+from cudflash.quant import QuantizedWeight, QuantScheme, concat_rows, dequantize, quantize_fp8_block, read_quantized
 from cudflash.quant.reader import is_quantized
 
 
@@ -129,6 +129,15 @@ class WeightLoader:
         self.memory.add(fmt, stored, int(x.nbytes))
         return x
 
+    def _upload_dense(self, full: str, w: QuantizedWeight) -> Any:
+        """A quantized weight as a plain array of the backend's activation dtype: its exact float32 values (what
+        every backend's load_quantized rounds from), for a row concatenation with unquantized parts."""
+        x = self.backend.load("F32", dequantize(w))
+        if self.check_weights:
+            self._check_values(full, x)
+        self.memory.add(w.format, w.nbytes, int(x.nbytes))
+        return x
+
     def _check_values(self, name: str, x: Any) -> None:
         where = f"{self.ckpt.info(name).file}: tensor {shown(name)}"
         if not self.backend.all_finite(x):
@@ -138,17 +147,17 @@ class WeightLoader:
                                   f"corrupt checkpoint)")
 
     def fused(self, names_and_shapes: list[tuple[str, tuple[int, ...]]]) -> Any:
-        """Concatenate along the output dimension (rows), e.g. q/k/v -> qkv. Quantized parts are concatenated as
-        codes and scales, each part's scales kept (quant.concat_rows): all parts quantized, or none."""
+        """Concatenate along the output dimension (rows), e.g. q/k/v -> qkv. Parts all quantized are concatenated as
+        codes and scales, each part's scales kept (quant.concat_rows); where only some are, the quantized ones are
+        dequantized (their exact float32 values, as the backend's activation dtype) and the rows concatenated."""
         names = [self.prefix + n for n, _ in names_and_shapes]
         parts = [self.read(n, s) for n, s in names_and_shapes]
         packed = [isinstance(p, QuantizedWeight) for p in parts]
         if not any(packed):
             return self.backend.cat([self._upload(n, p) for n, p in zip(names, parts)], axis=0)
-        if not all(packed):
-            plain = names[packed.index(False)]
-            raise CheckpointError(f"{self.ckpt.info(names[0]).file}: {shown(names[packed.index(True)])} is quantized "
-                                  f"but {shown(plain)}, fused with it, is not (a fused weight is quantized whole)")
+        if not all(packed):  # e.g. a hybrid's in_proj: qkv and z quantized, the narrow a and b left in bf16
+            return self.backend.cat([self._upload_dense(n, p) if isinstance(p, QuantizedWeight) else self._upload(n, p)
+                                     for n, p in zip(names, parts)], axis=0)
         try:
             return self._upload(names[0], concat_rows(parts, names))
         except ValueError as e:
