@@ -76,6 +76,15 @@ def _loader(ckpt: Checkpoint, backend: Backend, label: str, progress: bool, chec
                         quant=quant, quantize=quantize)
 
 
+def kv_elements_per_position(target_cfg: TargetConfig, draft_cfg: DraftConfig | None, target_kv_heads: int) -> int:
+    """K and V elements one cached position takes over the target's attention layers (a hybrid's GDN layers hold no
+    KV) and the drafter's layers."""
+    t, d = target_cfg, draft_cfg
+    attention_layers = len(t.hybrid.full_layers) if t.hybrid is not None else t.num_layers
+    per_position = attention_layers * 2 * target_kv_heads * t.head_dim
+    return per_position + (d.num_layers * 2 * d.num_kv_heads * d.head_dim if d is not None else 0)
+
+
 # One run of a hybrid commit: (rows already committed, rows to commit now) per sequence of the last verify, host
 # lists in that forward's order (ModelRunner.commit_states makes one or two runs per step).
 CommitRun = Callable[[list[int], list[int]], None]
@@ -98,13 +107,13 @@ class ModelRunner:
                 return RandomWeights(backend, seed=len(label), untied=not target_cfg.tie_word_embeddings)
             return _loader(Checkpoint(path), backend, label, progress, check_weights, quant, quantize)
 
-        if not random_weights:
-            self._keep_fp8_if_bf16_does_not_fit(target_cfg, draft_cfg, backend, target_quant, quantize,
-                                                memory_utilization, progress)
         # Weight bytes per format, as stored and on the device (empty with random weights: bench.weight_bytes counts).
         self.weight_memory: dict[str, WeightMemory] = {}
         # A checkpoint already in block-scaled FP8 keeps its own choice of unquantized modules (LLM checks the rest).
         target_loader = loader(target_cfg.path, "target", target_quant, None if target_quant else quantize)
+        if isinstance(target_loader, WeightLoader):  # nothing is uploaded yet
+            self._keep_fp8_if_bf16_does_not_fit(target_loader.ckpt, target_cfg, draft_cfg, backend, target_quant,
+                                                quantize, memory_utilization, progress)
         self.hybrid = target_cfg.hybrid is not None
         if tensor_parallel_size == 1:  # today's path, untouched
             self.target = (HybridTargetModel if self.hybrid else TargetModel)(target_cfg, target_loader, backend)
@@ -124,13 +133,9 @@ class ModelRunner:
                 if progress:
                     print(f"{label} weights: {used.memory.describe()}", file=sys.stderr, flush=True)
         t, d = target_cfg, draft_cfg
-        attention_layers = len(t.hybrid.full_layers) if self.hybrid else t.num_layers  # GDN layers hold no KV
         # A tensor-parallel target's cache holds every rank's KV heads side by side (TensorParallelTarget).
         target_kv_heads = self.target.num_kv_heads if tensor_parallel_size > 1 else t.num_kv_heads
-        per_position = attention_layers * 2 * target_kv_heads * t.head_dim
-        if d is not None:
-            per_position += d.num_layers * 2 * d.num_kv_heads * d.head_dim
-        bytes_per_block = per_position * kv_block_size * backend.act_itemsize
+        bytes_per_block = kv_elements_per_position(t, d, target_kv_heads) * kv_block_size * backend.act_itemsize
         # Hybrid targets: a live GDN state per admitted sequence, num_state_snapshots prefix snapshots (default
         # 2 x max_num_seqs; 0: prefix caching finds no state to resume from, so hybrids recompute every prompt) and
         # the zero slot (engine/state_pool.py), charged to the budget before the KV blocks are sized.
@@ -186,8 +191,9 @@ class ModelRunner:
         # block-table entries point at (never written: padded rows' slots are -1).
         self.dummy_block = num_kv_blocks
 
-    def _keep_fp8_if_bf16_does_not_fit(self, target_cfg: TargetConfig, draft_cfg: DraftConfig | None,
-                                       backend: Backend, target_quant: QuantScheme | None, quantize: str | None,
+    def _keep_fp8_if_bf16_does_not_fit(self, target_ckpt: Checkpoint, target_cfg: TargetConfig,
+                                       draft_cfg: DraftConfig | None, backend: Backend,
+                                       target_quant: QuantScheme | None, quantize: str | None,
                                        memory_utilization: float, progress: bool) -> None:
         """A CUDA backend dequantizes FP8 weights to bf16 at load unless tuning.fp8_on_device: where the bf16 form
         of the target (and drafter) would leave no room for the KV cache of one max_model_len sequence, this load
@@ -206,14 +212,12 @@ class ModelRunner:
         if tuning.fp8_on_device:
             return
         size = backend.act_itemsize
-        weights = dequantized_bytes(Checkpoint(target_cfg.path), size)
-        layers = len(target_cfg.hybrid.full_layers) if target_cfg.hybrid is not None else target_cfg.num_layers
-        kv = layers * 2 * target_cfg.num_kv_heads * target_cfg.head_dim * size
+        weights = dequantized_bytes(target_ckpt, size)
         if draft_cfg is not None:
             weights += dequantized_bytes(Checkpoint(draft_cfg.path), size)
-            kv += draft_cfg.num_layers * 2 * draft_cfg.num_kv_heads * draft_cfg.head_dim * size
+        kv = kv_elements_per_position(target_cfg, draft_cfg, target_cfg.num_kv_heads) * size * self.max_model_len
         budget = backend.memory_budget(memory_utilization)
-        if keep_fp8(weights, kv * self.max_model_len, budget):
+        if keep_fp8(weights, kv, budget):
             backend.tuning = dataclasses.replace(tuning, fp8_on_device=True)
             if progress:
                 print(f"FP8 weights stay FP8 on the device: their bf16 form ({weights / 2**30:.1f} GiB) and the KV "

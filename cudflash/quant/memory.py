@@ -3,6 +3,8 @@ step's many-row GEMMs are faster on bf16: docs/quantization.md); a target whose 
 the KV cache of one sequence of max_model_len tokens keeps its FP8 codes instead, so that it runs at all."""
 from __future__ import annotations
 
+import math
+
 from cudflash.checkpoint import Checkpoint
 from cudflash.quant.reader import PACKED_DTYPES
 
@@ -18,9 +20,7 @@ def dequantized_bytes(ckpt: Checkpoint, itemsize: int) -> int:
         info = ckpt.info(name)
         if name.rsplit(".", 1)[-1] in _SCALES:
             continue
-        elements = 1
-        for d in info.shape:
-            elements *= d
+        elements = math.prod(info.shape)
         if name.endswith(".weight") and info.dtype in PACKED_DTYPES:
             total += elements * itemsize * (2 if info.dtype == "U8" else 1)
         else:
