@@ -74,24 +74,22 @@ def _stored_scale(scale: np.ndarray, dtype: str) -> np.ndarray:
     return scale.astype(np.float32)
 
 
-def _is_quantized(name: str) -> bool:
-    return name.endswith(QUANTIZED)
-
-
-def _to_quantize(tensors: dict[str, np.ndarray], out: dict):
-    """(name, bf16 values) of each tensor a quantizing tool converts; the others go into `out` as bf16."""
+def _to_quantize(tensors: dict[str, np.ndarray], out: dict, quantized: tuple[str, ...] = QUANTIZED):
+    """(name, bf16 values) of each tensor a quantizing tool converts (names ending in `quantized`); the others go
+    into `out` as bf16."""
     for name, w in tensors.items():
-        if _is_quantized(name):
+        if name.endswith(quantized):
             yield name, _bf16_values(w)
         else:
             out[name] = _bf16(w)
 
 
-def qwen_fp8(tensors: dict[str, np.ndarray], block=(128, 128), scale_dtype: str = "F32"):
-    """(tensors, quantization_config) of a Qwen -FP8 release."""
+def qwen_fp8(tensors: dict[str, np.ndarray], block=(128, 128), scale_dtype: str = "F32",
+             quantized: tuple[str, ...] = QUANTIZED):
+    """(tensors, quantization_config) of a Qwen -FP8 release; `quantized`: the suffixes of the weights it converts."""
     out = {}
     bn, bk = block
-    for name, w in _to_quantize(tensors, out):
+    for name, w in _to_quantize(tensors, out, quantized):
         n, k = w.shape
         sn, sk = -(-n // bn), -(-k // bk)
         amax = np.zeros((sn, sk), dtype=np.float32)

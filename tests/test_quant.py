@@ -546,17 +546,13 @@ def test_a_hybrid_fp8_checkpoint_with_bf16_gates_equals_its_dequantized_values(t
     attention and MLP, and may leave the narrow in_proj_a / in_proj_b (fused with them into one in_proj) in bf16: the
     model loads, and computes exactly what the same model holds as float32 dequantized values."""
     from cudflash.tiny_hybrid import HybridShape, write_hybrid_target
-    import tests.quant_checkpoints as qcp
+    from tests.quant_checkpoints import QUANTIZED
 
     base = write_hybrid_target(tmp_path / "bf16", HybridShape(), seed=3)
     ck = Checkpoint(base)
     tensors = {n: ck.float32(n) for n in ck.names}
     wide = ("in_proj_qkv.weight", "in_proj_z.weight", "out_proj.weight")
-    old, qcp.QUANTIZED = qcp.QUANTIZED, qcp.QUANTIZED + wide
-    try:
-        out, qc = qwen_fp8(tensors)
-    finally:
-        qcp.QUANTIZED = old
+    out, qc = qwen_fp8(tensors, quantized=QUANTIZED + wide)
     assert out[next(n for n in out if n.endswith("in_proj_qkv.weight"))][0] == "F8_E4M3"
     assert out[next(n for n in out if n.endswith("in_proj_b.weight"))][0] == "BF16"
     config = json.loads((base / "config.json").read_text())
