@@ -23,20 +23,24 @@
 //   (dk^-1/2), beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias). qkv [T, 2 HK DK + HV DV] float32 (q | k | v)
 //   with row stride sq; a, b [T, HV] float32 with row strides sa, sb; A_log, dt_bias [HV] float32; states
 //   [S, HV, DK, DV] float32; out [T, HV DV] float32 contiguous.
-//   Grid (n, HV, cdiv(DV, GDN_TILE)), GDN_WARPS x 32 threads: lane l owns column j0 + l of the state, warp w its
-//   rows w DK/GDN_WARPS .. (w+1) DK/GDN_WARPS - 1, in registers for the whole sequence (read once, written once at
-//   commit). Rows are staged GDN_ROWS at a time in shared memory (q, k normalised, the v tile, e^g, beta); the two
-//   reductions over dk per token (S^T k, S^T q) go lane-wise within a thread, then across warps through shared
-//   memory in a fixed order. The chunked (prefill) op runs this same kernel over all rows of a sequence.
+//   Grid (n, HV, cdiv(DV, GDN_TILE)), GDN_WARPS x 32 threads: warp w owns the GDN_COLS state columns
+//   j0 + GDN_COLS w .. of the CTA's tile; lane l = 8 g + c holds column c's rows g DK/4 .. (g + 1) DK/4 - 1, in
+//   registers for the whole sequence (read once, written once at commit). Rows are staged GDN_ROWS at a time in
+//   shared memory (q, k normalised, k.q, the v tile, e^g, beta; every load of a stage issued before its reductions);
+//   then each warp runs the tokens alone, without a barrier: per token each lane sums its rows of S^T k and S^T q,
+//   two shuffle steps add the four groups' sums, o = e^g S^T q + delta (k.q) equals S'^T q, and
+//   S' = e^g S + k delta^T. The order of every sum is fixed: a row's bits do not depend on how many rows the call
+//   runs (a verify row equals its decode). The chunked (prefill) op runs this kernel below cuda_gdn_chunk.MIN_ROWS.
 // gated_rms_norm<X, Z>: out[t, h D + i] = w[i] x[t, h D + i] rsqrt(mean_i x^2 + eps) silu(z[t, h D + i]); x, z
 //   [T, H D] X / Z with row strides sx, sz; w [D] float32; out [T, H D] bf16 contiguous. One warp per (row, head).
 // sigmoid_gate<X, G>: out = x sigmoid(gate); x, gate [T, W] with row strides; out [T, W] bf16. A thread per element.
 #include "common.cuh"
 
-#define CONV_ROWS 64  // rows per thread of causal_conv1d
+#define CONV_ROWS 16  // rows per thread of causal_conv1d (a row tile)
 #define GDN_WARPS 4
-#define GDN_TILE 32  // state columns (dv) per CTA: one per lane
-#define GDN_ROWS 16  // rows staged in shared memory at a time (even: the reduction buffers alternate by row parity)
+#define GDN_TILE 32  // state columns (dv) per CTA
+#define GDN_COLS 8  // state columns per warp (GDN_TILE / GDN_WARPS)
+#define GDN_ROWS 16  // rows staged in shared memory at a time (a multiple of GDN_WARPS)
 #define L2_EPS 1e-6f  // gdn_numpy.L2_EPS
 
 __device__ __forceinline__ float gdn_f(float v) { return v; }
@@ -80,12 +84,17 @@ __global__ void __launch_bounds__(128) causal_conv1d(const X* __restrict__ x, lo
         win[j] = r >= 0 ? gdn_f(xc[(long long)r * sx]) : st[r + K - 1];
     }
     const int r1 = min(len, r0 + CONV_ROWS);
-    for (int r = r0; r < r1; ++r) {
-        win[K - 1] = gdn_f(xc[(long long)r * sx]);
+    float xr[CONV_ROWS];  // the tile's rows, loaded together: their loads are in flight at once, not one per row
+#pragma unroll
+    for (int i = 0; i < CONV_ROWS; ++i) xr[i] = r0 + i < r1 ? gdn_f(xc[(long long)(r0 + i) * sx]) : 0.f;
+#pragma unroll
+    for (int i = 0; i < CONV_ROWS; ++i) {
+        if (r0 + i >= r1) break;
+        win[K - 1] = xr[i];
         float acc = 0.f;
 #pragma unroll
         for (int j = 0; j < K; ++j) acc += wc[j] * win[j];
-        out[(long long)(lo + r) * C + c] = acc * gdn_sigmoid(acc);
+        out[(long long)(lo + r0 + i) * C + c] = acc * gdn_sigmoid(acc);
 #pragma unroll
         for (int j = 0; j < K - 1; ++j) win[j] = win[j + 1];
     }
@@ -110,20 +119,21 @@ __global__ void __launch_bounds__(GDN_WARPS * 32) gdn_recurrent(
         float* __restrict__ states, const int* __restrict__ slots, const int* __restrict__ cu,
         const int* __restrict__ span, int spanned, float* __restrict__ out, int HK, int HV, int DV, float qscale,
         int commit) {
-    constexpr int RPW = DK / GDN_WARPS;  // state rows per thread
-    static_assert(DK % GDN_WARPS == 0, "DK must split evenly over the warps");
-    __shared__ float s_q[GDN_ROWS][DK];  // normalised, scaled q of the staged rows
-    __shared__ float s_k[GDN_ROWS][DK];  // normalised k
+    constexpr int RPL = DK / 4;  // state rows per lane: lane (g, c) holds rows g RPL .. (g + 1) RPL - 1 of column c
+    constexpr int KROW = DK + 16;  // a staged q / k row: the four groups' RPL values, each group padded by 4 floats
+    constexpr int SPW = GDN_ROWS / GDN_WARPS;  // rows each warp stages
+    static_assert(RPL % 4 == 0, "DK must be a multiple of 16: a lane group's rows are read as float4");
+    __shared__ __align__(16) float s_q[GDN_ROWS][KROW];  // normalised q times qscale: element i at i + 4 (i / RPL)
+    __shared__ __align__(16) float s_k[GDN_ROWS][KROW];  // normalised k, likewise
     __shared__ float s_v[GDN_ROWS][GDN_TILE];  // this CTA's columns of v
     __shared__ float s_decay[GDN_ROWS];  // e^g
     __shared__ float s_beta[GDN_ROWS];
-    __shared__ float s_kv[2][GDN_WARPS][GDN_TILE];  // per-warp partial sums of S^T k, by row parity
-    __shared__ float s_o[2][GDN_WARPS][GDN_TILE];  // per-warp partial sums of S^T q, by row parity
+    __shared__ float s_kq[GDN_ROWS];  // k . q of the normalised, scaled rows
     pdl_launch_dependents();
     const int s = blockIdx.x, h = blockIdx.y, j0 = blockIdx.z * GDN_TILE;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int j = j0 + lane;
-    const bool col = j < DV;
+    const int grp = lane >> 3, c = lane & 7;  // the lane's row group and column of the warp's GDN_COLS
+    const int j = j0 + warp * GDN_COLS + c;  // the lane's state column
     const float neg_a = -expf(A_log[h]), dtb = dt_bias[h];  // weights: read before the wait
     pdl_wait();
     const int slot = slots[s];
@@ -131,87 +141,119 @@ __global__ void __launch_bounds__(GDN_WARPS * 32) gdn_recurrent(
     const int first = spanned ? span[s] : 0, len = spanned ? span[gridDim.x + s] : seq_rows;  // the rows it runs
     const int lo = start + first;
     const long long out_stride = (long long)HV * DV;
-    if (spanned && col)  // the sequence's rows outside its span: zeros, as numpy's
+    const int jl = j0 + lane;  // the column this lane zeroes below (one per lane of the CTA's tile)
+    if (spanned && jl < DV)  // the sequence's rows outside its span: zeros, as numpy's
         for (int r = warp; r < seq_rows; r += GDN_WARPS)
-            if (r < first || r >= first + len) out[(start + r) * out_stride + (long long)h * DV + j] = 0.f;
+            if (r < first || r >= first + len) out[(start + r) * out_stride + (long long)h * DV + jl] = 0.f;
     if (len <= 0) return;  // uniform over the CTA (as the next branch): no barrier is skipped by part of it
     if (slot < 0) {  // a padding sequence: zero rows, as numpy's (so the caller need not clear the output)
-        if (col)
-            for (int r = warp; r < len; r += GDN_WARPS) out[(lo + r) * out_stride + (long long)h * DV + j] = 0.f;
+        if (jl < DV)
+            for (int r = warp; r < len; r += GDN_WARPS) out[(lo + r) * out_stride + (long long)h * DV + jl] = 0.f;
         return;
     }
     const int hk = h / (HV / HK);
     float* S = states + ((long long)slot * HV + h) * DK * DV;  // [DK, DV]
-    float st[RPW];
+    // st[i] = S[grp RPL + i][j]: per load the warp reads 4 rows x 8 adjacent columns (four 32-byte sectors). A column
+    // past DV is zeros that stay zero (its v is 0, so its delta is) and is never written back.
+    const bool col = j < DV;
+    float st[RPL];
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) st[r] = col ? S[(long long)(warp * RPW + r) * DV + j] : 0.f;
+    for (int i = 0; i < RPL; ++i) st[i] = col ? S[(long long)(grp * RPL + i) * DV + j] : 0.f;
     for (int base = 0; base < len; base += GDN_ROWS) {
         const int rows = min(GDN_ROWS, len - base);
-        // Stage: warp w takes rows w, w + GDN_WARPS, ...; lane l owns elements l, l + 32, ... of q and k.
-        for (int r = warp; r < rows; r += GDN_WARPS) {
-            const long long t = lo + base + r;
+        if (base > 0) __syncthreads();  // every warp is done with the previous stage's rows
+        // Stage: warp w takes rows w SPW .. (w + 1) SPW - 1, all their loads issued before any reduction; lane l
+        // holds elements l + 32 m of q and k (m < DK / 32, and lanes < 16 one more for DK = 48).
+        constexpr int EPL = (DK + 31) / 32;
+        float qv[SPW][EPL], kv[SPW][EPL], vv[SPW], av[SPW], bv[SPW];
+#pragma unroll
+        for (int u = 0; u < SPW; ++u) {
+            const int r = warp * SPW + u;
+            const bool live = r < rows;
+            const long long t = lo + base + (live ? r : 0);
             const float* row = qkv + t * sq;
-            const float* qr = row + hk * DK;
-            const float* kr = row + (HK + hk) * DK;
-            float qq = 0.f, kk = 0.f;
-            for (int i = lane; i < DK; i += 32) {
-                const float u = qr[i], v = kr[i];
-                s_q[r][i] = u;
-                s_k[r][i] = v;
-                qq += u * u;
-                kk += v * v;
+#pragma unroll
+            for (int m = 0; m < EPL; ++m) {
+                const int i = lane + 32 * m;
+                qv[u][m] = live && i < DK ? row[hk * DK + i] : 0.f;
+                kv[u][m] = live && i < DK ? row[(HK + hk) * DK + i] : 0.f;
+            }
+            vv[u] = live && jl < DV ? row[2LL * HK * DK + (long long)h * DV + jl] : 0.f;
+            av[u] = live ? a[t * sa + h] : 0.f;
+            bv[u] = live ? b[t * sb + h] : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < SPW; ++u) {
+            const int r = warp * SPW + u;
+            float qq = 0.f, kk = 0.f, qk = 0.f;
+#pragma unroll
+            for (int m = 0; m < EPL; ++m) {
+                qq += qv[u][m] * qv[u][m];
+                kk += kv[u][m] * kv[u][m];
+                qk += qv[u][m] * kv[u][m];
             }
             qq = warp_sum(qq);
             kk = warp_sum(kk);
+            qk = warp_sum(qk);
+            if (r >= rows) continue;  // uniform over the warp
             const float rq = 1.f / sqrtf(qq + L2_EPS), rk = 1.f / sqrtf(kk + L2_EPS);
-            for (int i = lane; i < DK; i += 32) {  // the lane's own elements: no barrier needed
-                s_q[r][i] = s_q[r][i] * rq * qscale;
-                s_k[r][i] = s_k[r][i] * rk;
+#pragma unroll
+            for (int m = 0; m < EPL; ++m) {
+                const int i = lane + 32 * m;
+                if (i < DK) {
+                    s_q[r][i + (i / RPL) * 4] = qv[u][m] * rq * qscale;
+                    s_k[r][i + (i / RPL) * 4] = kv[u][m] * rk;
+                }
             }
-            s_v[r][lane] = col ? row[2LL * HK * DK + (long long)h * DV + j] : 0.f;
+            s_v[r][lane] = vv[u];
             if (lane == 0) {
-                const float x = a[t * sa + h] + dtb;
+                const float x = av[u] + dtb;
                 const float softplus = x > 20.f ? x : log1pf(expf(x));
                 s_decay[r] = expf(neg_a * softplus);
-                s_beta[r] = gdn_sigmoid(b[t * sb + h]);
+                s_beta[r] = gdn_sigmoid(bv[u]);
+                s_kq[r] = qk * rq * rk * qscale;
             }
         }
         __syncthreads();
+        // Token by token, each warp alone (no barrier): with S the state before row r and e^g its decay,
+        //   S^T k and S^T q (each lane over its RPL rows, then across the 4 lane groups), delta = beta (v - e^g S^T k),
+        //   o = e^g S^T q + delta (k . q)  (= S'^T q),   S' = e^g S + k delta^T.
+        const int kbase = grp * (RPL + 4);  // the lane group's rows in a staged q / k row
         for (int r = 0; r < rows; ++r) {
-            const int p = r & 1;
-            const float decay = s_decay[r];
-            // Four partial sums per thread: a chain of RPW / 4 dependent FMAs instead of RPW (the per-token latency).
-            float part[4] = {0.f, 0.f, 0.f, 0.f};
+            const float decay = s_decay[r], beta = s_beta[r], kq = s_kq[r];
+            const float v = s_v[r][warp * GDN_COLS + c];
+            const float4* kr = reinterpret_cast<const float4*>(&s_k[r][kbase]);
+            const float4* qr = reinterpret_cast<const float4*>(&s_q[r][kbase]);
+            float pk[4] = {0.f, 0.f, 0.f, 0.f}, pq[4] = {0.f, 0.f, 0.f, 0.f};  // four chains of RPL / 4 FMAs
 #pragma unroll
-            for (int i = 0; i < RPW; ++i) {
-                st[i] *= decay;
-                part[i & 3] += st[i] * s_k[r][warp * RPW + i];
+            for (int m = 0; m < RPL / 4; ++m) {
+                const float4 k4 = kr[m], q4 = qr[m];
+                pk[0] += st[4 * m] * k4.x, pk[1] += st[4 * m + 1] * k4.y;
+                pk[2] += st[4 * m + 2] * k4.z, pk[3] += st[4 * m + 3] * k4.w;
+                pq[0] += st[4 * m] * q4.x, pq[1] += st[4 * m + 1] * q4.y;
+                pq[2] += st[4 * m + 2] * q4.z, pq[3] += st[4 * m + 3] * q4.w;
             }
-            s_kv[p][warp][lane] = (part[0] + part[1]) + (part[2] + part[3]);
-            __syncthreads();
-            float kv = 0.f;
+            float sk = (pk[0] + pk[1]) + (pk[2] + pk[3]), sq_ = (pq[0] + pq[1]) + (pq[2] + pq[3]);
+            // Across the groups (lanes 8 and 16 apart): a + b == b + a, so the four lanes of a column agree exactly.
+            sk += __shfl_xor_sync(0xffffffffu, sk, 8);
+            sq_ += __shfl_xor_sync(0xffffffffu, sq_, 8);
+            sk += __shfl_xor_sync(0xffffffffu, sk, 16);
+            sq_ += __shfl_xor_sync(0xffffffffu, sq_, 16);
+            const float delta = (v - decay * sk) * beta;
+            if (grp == 0 && col) out[(lo + base + r) * out_stride + (long long)h * DV + j] = decay * sq_ + delta * kq;
 #pragma unroll
-            for (int w = 0; w < GDN_WARPS; ++w) kv += s_kv[p][w][lane];
-            const float delta = (s_v[r][lane] - kv) * s_beta[r];
-            part[0] = part[1] = part[2] = part[3] = 0.f;
-#pragma unroll
-            for (int i = 0; i < RPW; ++i) {
-                st[i] += s_k[r][warp * RPW + i] * delta;
-                part[i & 3] += st[i] * s_q[r][warp * RPW + i];
-            }
-            s_o[p][warp][lane] = (part[0] + part[1]) + (part[2] + part[3]);
-            __syncthreads();  // also: every read of this row's staged q / k / v is done (the next stage may write)
-            if (warp == 0 && col) {
-                float o = 0.f;
-#pragma unroll
-                for (int w = 0; w < GDN_WARPS; ++w) o += s_o[p][w][lane];
-                out[(lo + base + r) * out_stride + (long long)h * DV + j] = o;
+            for (int m = 0; m < RPL / 4; ++m) {
+                const float4 k4 = kr[m];
+                st[4 * m] = st[4 * m] * decay + k4.x * delta;
+                st[4 * m + 1] = st[4 * m + 1] * decay + k4.y * delta;
+                st[4 * m + 2] = st[4 * m + 2] * decay + k4.z * delta;
+                st[4 * m + 3] = st[4 * m + 3] * decay + k4.w * delta;
             }
         }
     }
     if (commit && col) {
 #pragma unroll
-        for (int r = 0; r < RPW; ++r) S[(long long)(warp * RPW + r) * DV + j] = st[r];
+        for (int i = 0; i < RPL; ++i) S[(long long)(grp * RPL + i) * DV + j] = st[i];
     }
 }
 

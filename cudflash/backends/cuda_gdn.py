@@ -18,12 +18,12 @@ from cudflash.backends.cuda_util import act_dtype, bits, cdiv, device_i32, f32, 
 from cudflash.backends.tuning import CudaTuning
 from cudflash.errors import BackendError
 
-CONV_ROWS = 64  # CONV_ROWS in gdn.cu
+CONV_ROWS = 16  # CONV_ROWS in gdn.cu
 CONV_THREADS = 128
-GDN_TILE = 32  # GDN_TILE
+GDN_TILE = 32  # GDN_TILE: state columns per CTA
 GDN_THREADS = 128  # GDN_WARPS x 32
 CONV_TAPS = (2, 3, 4)  # conv kernel sizes compiled
-KEY_DIMS = (16, 32, 48, 64, 128, 256)  # dk compiled (a multiple of GDN_WARPS)
+KEY_DIMS = (16, 32, 48, 64, 128, 256)  # dk compiled (multiples of 16: gdn_recurrent reads a lane group's rows as float4)
 _TYPES = ("bf16", "float")
 NAMES = (tuple(f"causal_conv1d<{k}, {x}, {w}>" for k in CONV_TAPS for x in _TYPES for w in _TYPES)
          + tuple(f"gdn_recurrent<{d}>" for d in KEY_DIMS)

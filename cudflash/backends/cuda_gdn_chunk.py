@@ -26,7 +26,7 @@ HEAD_DIMS = (16, 32, 64, 128)  # dk = dv compiled (other shapes take the recurre
 BLOCK_DV = (16, 32, 64)  # state columns per scan CTA compiled (those <= dk)
 # The longest sequence of a call from which the chunked kernels are used; below it the recurrent kernel, which is
 # faster for a few rows (tests/gpu/test_gdn_chunk.py times both; BENCHMARKS.md).
-MIN_ROWS = 32  # 32 rows at 9B shapes: chunked 29.0 us, recurrent 33.5 us (BENCHMARKS.md)
+MIN_ROWS = 40  # 9B shapes: recurrent 23.9 / 45.2 us at 32 / 64 rows, chunked 27.2 / 28.0 us (BENCHMARKS.md)
 NAMES = (tuple(f"gdn_chunk_prepare<{d}, {d}>" for d in HEAD_DIMS)
          + tuple(f"gdn_chunk_scan<{d}, {bv}>" for d in HEAD_DIMS for bv in BLOCK_DV if bv <= d))
 
