@@ -44,10 +44,17 @@ def test_prefix_cache_shares_a_common_prefix_between_requests(tiny_pair, goldens
 def test_chunked_prefill_and_small_batches_reproduce_the_goldens(tiny_pair, goldens):
     llm = LLM(tiny_pair / "target", draft=tiny_pair / "drafter", backend="cpu", max_num_seqs=2,
               max_num_batched_tokens=40, enable_prefix_caching=False)
+    target, scored = llm.runner.target, []
+    logits = target.logits
+    target.logits = lambda hidden: scored.append(hidden.shape[0]) or logits(hidden)
     outs = llm.generate([g["prompt_ids"] for g in goldens[:4]], SamplingParams(max_tokens=128, ignore_eos=True))
     for out, g in zip(outs, goldens):
         assert out.token_ids == g["spec_ids"]
         assert out.acceptance_lengths == g["acceptance_lengths"]
+    # The LM head runs on the rows that need logits only: a prompt's last row and the verify blocks, never over a
+    # chunk of a prompt that it does not complete (the logits of a 40-row chunk would be 40 rows).
+    block = llm.runner.draft_cfg.block_size
+    assert scored and max(scored) <= 2 * block
 
 
 @pytest.fixture(scope="module")

@@ -116,6 +116,8 @@ class StepPhases:
         """(argmax int32 [R], float32 logits [R, V], taps [T, K H] or None) of the scored rows."""
         r = self.runner
         hidden, taps = r.target_forward(inp.verify_batch(self.b), with_taps=speculative)
+        if not inp.scores:  # prefill chunks that complete no prompt: the LM head over their rows would be waste
+            return self.b.asarray(np.zeros(0, dtype=np.int32), "i32"), None, taps
         if inp.score_rows is not None:
             hidden = self.b.take_rows(hidden, inp.score_rows)
         logits = r.target.logits(hidden)
@@ -285,7 +287,7 @@ class Eager:
         host = np.empty(layout.size, dtype=np.int32)
         longest = fill(host, layout, chunks, r.blocks.block_size, r.dummy_block, () if every else score_rows)
         inp = StepTensors(layout, host, self.b.asarray(host, "i32"), longest, score_first=score_first,
-                          chunked_seqs=len(prefill))
+                          chunked_seqs=len(prefill), scores=every or bool(score_rows))
         if drafting:
             inp.verify_ids = self.b.zeros((layout.rows,), "i32")
             inp.rows = self.phases.head_rows(len(decode), q)

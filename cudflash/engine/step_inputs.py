@@ -152,6 +152,7 @@ class StepTensors:
     rows: HeadRows | None = None  # the drafter heads' index rows of the decode blocks (a drafting step)
     score_first: list[int] | None = None  # per sequence: the index of its first scored row among the logits rows
     chunked_seqs: int = 0  # leading sequences that are prefill chunks (the rest decode)
+    scores: bool = True  # False: no row needs logits (prefill chunks that complete no prompt: no LM head at all)
     _verify: ForwardBatch | None = field(default=None, repr=False)  # verify_batch, once built
 
     def _view(self, a: Any, name: str) -> Any:
