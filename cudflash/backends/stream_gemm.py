@@ -101,18 +101,25 @@ def resident_x_bytes(m: int, k: int, w8: bool = False) -> int | None:
     return size if m <= 8 and size <= X_RESIDENT_BYTES else None
 
 
+# What a row block costs beyond streaming its t tiles, in tiles: its start and the four warps' final sums. Fitted to
+# the plan sweep (BENCHMARKS.md, "The streaming GEMM's plans"): Qwen3.5-9B's qkvg [10240, 4096] in 5 rounds of 1 tile
+# took 28.0 us against 23.4 us in 2 rounds of 3 tiles, (5 + 5 c) / (6 + 2 c) = 1.2.
+BLOCK_OVERHEAD_TILES = 0.85
+
+
 @functools.cache
 def plan_for(n: int, k: int, num_sms: int, w8: bool = False) -> Plan:
-    """Row blocks sized so the CTAs' work is even: of t = 4..1, the one whose rounds of num_sms blocks waste the
-    fewest SM slots (ties go to larger blocks, which share each x tile across more weight rows). w8: an FP8
-    weight, whose smaller stages make the ring deeper."""
+    """Row blocks of t = 4..1 tiles, the t whose CTAs finish first: each CTA streams `rounds` blocks of t tiles and
+    pays BLOCK_OVERHEAD_TILES per block (ties go to larger blocks, which share each x tile across more weight
+    rows). Counting only the SM slots the last round leaves idle picked one-tile blocks whenever they divided
+    evenly (1.2x slower at 9B's qkvg, and for 27B's qkvg and gate_up). w8: an FP8 weight, whose smaller stages make
+    the ring deeper."""
     tiles = math.ceil(n / 16)
 
-    def waste(t: int) -> float:
-        blocks = math.ceil(tiles / t)
-        return math.ceil(blocks / num_sms) * num_sms * t / tiles
+    def cost(t: int) -> float:
+        return math.ceil(math.ceil(tiles / t) / num_sms) * (t + BLOCK_OVERHEAD_TILES)
 
-    t = min((4, 3, 2, 1), key=waste)
+    t = min((4, 3, 2, 1), key=cost)
     blocks = math.ceil(tiles / t)
     rounds = math.ceil(blocks / num_sms)
     stages = min(16, (SMEM_BUDGET - Plan.fixed_bytes(t)) // Plan.stage_bytes(t, w8=w8))
