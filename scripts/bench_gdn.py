@@ -1,6 +1,6 @@
 """Times the Gated DeltaNet kernels (kernels/gdn.cu) at Qwen3.5-9B's GDN shapes, batch 1, against their byte floor.
 
-    PYTHONPATH=$PWD python3 scripts/bench_gdn.py [--bandwidth 4.28e12] [--iters 200]
+    PYTHONPATH=$PWD python3 scripts/bench_gdn.py [--bandwidth 4.28e12] [--iters 200] [--kernel-dir DIR]
 
 Each case runs `iters` calls captured in one CUDA graph, replayed between two CUDA events after a warm-up replay
 (and, for the record, the same calls launched eagerly from Python); the floor is the bytes the op must move (the
@@ -48,8 +48,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bandwidth", type=float, default=4.28e12)
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--kernel-dir", help="the CUDA sources to time (an A/B of one tree: tuning.kernel_dir)")
     args = ap.parse_args()
-    b = CudaBackend()
+    b = CudaBackend({"kernel_dir": args.kernel_dir} if args.kernel_dir else None)
     rng = np.random.default_rng(0)
     results = []
     slots = b.asarray([0], "i32")
