@@ -66,8 +66,11 @@ class HalfRight(HostProposer):
 @pytest.mark.parametrize("cls", ["conditional", "causal"])
 def test_plain_decoding_in_a_batch_with_chunked_prefill_equals_the_reference(pairs, reference, cls):
     llm = LLM(pairs[cls][0], backend="cpu", max_num_seqs=4, max_num_batched_tokens=48)
+    runs = []
+    llm.runner.commit_tape = lambda *args: runs.append(args)  # plain decoding commits in its forward: never called
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference
+    assert runs == []
     assert llm.scheduler.num_prefill_tokens == sum(map(len, PROMPTS))  # 140 tokens went through 3+ steps
     assert sorted(llm.runner.states.free_live) == list(range(4))  # every live slot came back
 

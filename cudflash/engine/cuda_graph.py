@@ -24,13 +24,14 @@ whichever step computes that position before anything reads it), and anything th
 ordered after it on the stream. The scheduler reserves that slot (Scheduler's lookahead).
 
 Hybrid (Gated DeltaNet) targets: the state slots are staged in the packed buffer too (padding sequences -1), and
-the verify graph leaves the states as they were and keeps its tape (models/hybrid.py). After acceptance a commit
-graph, recorded per captured step over that tape, advances each sequence's state by the rows it accepted: the counts
-travel as a span (int32 [2, n]: rows already committed | rows to commit) in one asynchronous copy from page-locked
-memory into a device buffer the graph reads. A commit crossing a prefix-cache block boundary is two replays with the
-snapshot copy between them (ModelRunner.commit_states), as op by op. Plain decoding does not run ahead on a hybrid:
-the queued step's verify would read a state the host has not yet committed, and a dropped one would be no harmless
-scratch write but a state advanced in place.
+a speculative step's verify graph leaves the states as they were and keeps its tape (models/hybrid.py). After
+acceptance a commit graph, recorded per captured step over that tape, advances each sequence's state by the rows it
+accepted: the counts travel as a span (int32 [2, n]: rows already committed | rows to commit) in one asynchronous
+copy from page-locked memory into a device buffer the graph reads. A commit crossing a prefix-cache block boundary
+is two replays with the snapshot copy between them (ModelRunner.commit_states), as op by op. Plain decoding commits
+every row it runs (each is a sequence's pending token), so its forward advances the states itself: no tape, no
+commit graph, and its warm-up before capture runs with the state slots masked (`_states_untouched`). It still does
+not run ahead on a hybrid: a queued step that is dropped would have advanced its sequences' states in place.
 
 Rules kept here: every buffer a graph touches is allocated before capture or during capture from a memory pool
 private to that step's graphs, and is kept alive with them (graphs of two steps sharing a pool overwrite each
@@ -46,6 +47,8 @@ graph reserve, which the KV cache budget leaves free); a step evicted is capture
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,6 +174,21 @@ class Staged:
             and self.rows_of(seqs, 0, block_size) == self.rows
 
 
+@contextmanager
+def _states_untouched(inp: StepTensors) -> Iterator[None]:
+    """Within: every staged state slot is -1, which every GDN op skips (no state read or written). The eager
+    warm-up of a forward that commits the states (plain decoding on a hybrid) runs so; on the staged slots it would
+    advance them once before the first replay advances them again. Its other writes are the verify's usual scratch
+    (K/V at the slots the replay writes next)."""
+    slots = inp.state_slots_device
+    saved = slots.copy()
+    slots.fill(-1)
+    try:
+        yield
+    finally:
+        slots[...] = saved
+
+
 class StepGraphs:
     def __init__(self, phases: StepPhases, max_bytes: int, run_ahead: bool = True):
         self.phases = phases
@@ -262,9 +280,11 @@ class StepGraphs:
         return self._stage(plan.decodes, q, mask, speculative)
 
     # ---- capture
-    def _graph(self, fn, *args):
-        """Run fn once eagerly (compiles kernels, lets cuBLAS choose its algorithms), then capture it."""
-        fn(*args)
+    def _graph(self, fn, *args, warm_up: AbstractContextManager = nullcontext()):
+        """Run fn once eagerly (compiles kernels, lets cuBLAS choose its algorithms) within `warm_up`, then capture
+        it."""
+        with warm_up:
+            fn(*args)
         self.stream.begin_capture()
         out = fn(*args)
         graph = self.stream.end_capture()
@@ -288,7 +308,9 @@ class StepGraphs:
             if drafting:
                 propose_graph, head_out = self._graph(p.propose, inp)
             if "verify" in parts:
-                verify_graph, (targets, logits, taps) = self._graph(p.verify, inp, taps_wanted)
+                # Plain decoding's forward commits the GDN states: its warm-up must not advance them.
+                warm_up = _states_untouched(inp) if self.hybrid and not taps_wanted else nullcontext()
+                verify_graph, (targets, logits, taps) = self._graph(p.verify, inp, taps_wanted, warm_up=warm_up)
                 tape, p.runner.tape = p.runner.tape, None  # the captured forward's: only the commit graph reads it
             if taps is not None:
                 context_graph, _ = self._graph(p.commit_context, inp, taps)

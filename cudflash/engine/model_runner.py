@@ -245,12 +245,16 @@ class ModelRunner:
         return StepTensors(layout, host, self.backend.asarray(host, "i32"), longest).verify_batch(self.backend)
 
     # ---- model calls
-    def target_forward(self, batch: ForwardBatch, with_taps: bool = True) -> tuple[Any, Any | None]:
+    def target_forward(self, batch: ForwardBatch, with_taps: bool = True,
+                       commit: bool = False) -> tuple[Any, Any | None]:
+        """commit (hybrid targets): every row of the batch is committed whatever the logits say (plain decoding:
+        the row is the pending token), so the forward advances the GDN states itself and keeps no tape; otherwise
+        the decode rows leave the states as they were and commit_states advances them after acceptance."""
         taps = self.tap_layers if with_taps and self.tap_layers else None
         if not self.hybrid:
             return self.target.forward(batch, self.target_kv, taps)
         assert batch.state_slots is not None, "a hybrid target's batch names each sequence's state slot"
-        use = state_use(self.backend, batch.state_slots, batch.meta.cu_seqlens_q, batch.chunked_seqs, False,
+        use = state_use(self.backend, batch.state_slots, batch.meta.cu_seqlens_q, batch.chunked_seqs, commit,
                         batch.state_slots_device)
         hidden, taps_out, self.tape = self.target.forward(batch, self.cache, use, taps)
         self.tape_slots = use.slots
@@ -281,7 +285,8 @@ class ModelRunner:
         length passed a block boundary whose block is now hashed, the state there becomes a snapshot (a verify's
         rows are committed in two runs, up to the boundary and after it; a prefill chunk must end on it).
         run: how a run of the commit executes (a CUDA graph's replay of that forward's commit); None: op by op on the
-        last forward's tape."""
+        last forward's tape. A forward that kept no tape committed its rows itself (target_forward's commit: plain
+        decoding, one row per sequence), so only the snapshots are left to take."""
         if not self.hybrid:
             return
         tape, self.tape = self.tape, None
@@ -293,6 +298,8 @@ class ModelRunner:
             boundary = blocks.snapshot_boundary(s, start, s.num_cached)
             if boundary is None or (n is None and boundary != s.num_cached):
                 continue
+            # Committed in the forward: the state is the one after all its rows, so a snapshot must lie at their end.
+            assert tape is not None or boundary == s.num_cached, (s.seq_id, start, boundary, s.num_cached)
             snaps.append((blocks.block_hash(s, boundary), s.state_slot))
             upto[i] = 0 if n is None else boundary - start
         if run is not None and any(upto):

@@ -115,7 +115,8 @@ class StepPhases:
     def verify(self, inp: StepTensors, speculative: bool) -> tuple[Any, Any, Any]:
         """(argmax int32 [R], float32 logits [R, V], taps [T, K H] or None) of the scored rows."""
         r = self.runner
-        hidden, taps = r.target_forward(inp.verify_batch(self.b), with_taps=speculative)
+        # Plain decoding commits every row it runs (the pending tokens): a hybrid's forward advances its states.
+        hidden, taps = r.target_forward(inp.verify_batch(self.b), with_taps=speculative, commit=not speculative)
         if not inp.scores:  # prefill chunks that complete no prompt: the LM head over their rows would be waste
             return self.b.asarray(np.zeros(0, dtype=np.int32), "i32"), None, taps
         if inp.score_rows is not None:
