@@ -298,8 +298,9 @@ class ModelRunner:
             boundary = blocks.snapshot_boundary(s, start, s.num_cached)
             if boundary is None or (n is None and boundary != s.num_cached):
                 continue
-            # Committed in the forward: the state is the one after all its rows, so a snapshot must lie at their end.
-            assert tape is not None or boundary == s.num_cached, (s.seq_id, start, boundary, s.num_cached)
+            # No run (no tape, no graph): committed in the forward, so the state is the one after all the rows and a
+            # snapshot can only lie at their end.
+            assert run is not None or boundary == s.num_cached, (s.seq_id, start, boundary, s.num_cached)
             snaps.append((blocks.block_hash(s, boundary), s.state_slot))
             upto[i] = 0 if n is None else boundary - start
         if run is not None and any(upto):
