@@ -13,7 +13,7 @@
 // or past M are filled with zeros by the copy engine, and only reach their own (masked) outputs anyway.
 // Work: w's rows form blocks of 16 T; CTA b takes blocks b, b + gridDim.x, ... and streams each in K tiles of
 // KT columns: one ring stage holds a tile's KT / 64 weight boxes and KT / 64 x boxes (layout below).
-// Warps: 0..3 compute, warp 4 copies (its lane 0 arms a stage's barrier with the byte count and issues the
+// Warps: 0..CW-1 compute (CW = 4, or 8 for W8: two per scheduler, below), warp CW copies (its lane 0 arms a stage's barrier with the byte count and issues the
 // stage's 2 KT / 64 box copies; W8: all its lanes also stage the scales, below). Barriers: full[s] (1 arrival +
 // the bytes; W8: 1 + 32 arrivals), empty[s] (one per compute warp).
 // Before griddepcontrol.wait the copy warp requests the weight boxes of the first `prefill` stages; the rest of the
@@ -24,9 +24,9 @@
 // as many stages as with boxes. Per stage that saves the x boxes' copies, which each stage would otherwise wait
 // for. The MMAs and their order are the same, so are the bits.
 // Compute: swapped mma.m16n8k16: A = 16 weight rows, B = 8 tokens (NT token tiles), so y^T tile = W . x^T.
-// Compute warp c takes columns [c KT/4, (c + 1) KT/4) of every stage for all T row tiles; at the end of a block
-// the four partials are added in the order c = 0, 1, 2, 3 through shared memory. The float32 summation order
-// therefore depends on (K, KT) alone, never on M: row i of y has the same bits whatever the other rows are
+// Compute warp c takes columns [c KT/CW, (c + 1) KT/CW) of every stage for all T row tiles; at the end of a block
+// the CW partials are added in the order c = 0, 1, .. through shared memory. The float32 summation order
+// therefore depends on (K, KT, CW) alone, never on M: row i of y has the same bits whatever the other rows are
 // (a verify row equals the decode of that token alone).
 // Shared memory per CTA is sized by the wrapper to more than half an SM, so two of these CTAs never share one.
 //
@@ -49,12 +49,14 @@
 // scale[rows[n]][k / 128] (WeightScales; rows maps each weight row to its scale row: n / 128 for the 128x128 blocks
 // of the Qwen -FP8 layout, anything for fused or interleaved weights). The weight's tensor map is uint8 with boxes
 // of [16 T rows][128 columns] (rows of 128 bytes again, the same swizzle), so a stage holds KT / 128 weight boxes:
-// half of bf16's bytes. x stays bf16 (resident rows XROW = 2 K + 32 bytes apart, see below). Each compute warp's 64
-// columns lie inside one 128-column scale block, so per stage a warp sums its 64 columns in float32 (four MMA
-// steps, as two independent chains of two from zero, columns 0..31 and 32..63, added before the scale: half the
-// dependent MMA latency a stage waits for) and adds that partial times the row's scale to its accumulators: the
-// codes enter the MMA as exact bf16 values, the scale is applied once per 64 columns in float32 (no bf16 rounding
-// of code * scale), and the summation order still depends on (K, KT) alone. The epilogues are the same.
+// half of bf16's bytes. x stays bf16 (resident rows XROW = 2 K + 32 bytes apart, see below). Each compute warp's KT / CW
+// columns (64, or 32 with eight warps) lie inside one 128-column scale block, so per stage a warp sums them in
+// float32 (MMA steps in independent chains of two from zero, columns 0..31 and 32..63, added before the scale: half
+// the dependent MMA latency a stage waits for) and adds that partial times the row's scale to its accumulators: the
+// codes enter the MMA as exact bf16 values, the scale is applied once per KT / CW columns in float32 (no bf16
+// rounding of code * scale), and the summation order still depends on (K, KT, CW) alone. The epilogues are the same.
+// Eight compute warps (two per scheduler) for W8: one warp's chain ldmatrix -> decode -> MMA -> scale is serial and
+// issue bound, so a second warp per scheduler fills its stalls (BENCHMARKS.md, "The W8 kernel's bottleneck").
 // Scales: the copy warp stages them with the codes. With each stage's weight boxes its 32 lanes copy the stage's
 // 2 x 16 T scales (the block's 16 T rows, the stage's two scale columns) into scs[stage] by cp.async, counted on
 // full[s] by one cp.async.mbarrier.arrive.noinc per lane (full[s] expects 1 + 32 arrivals); the compute warps read
@@ -84,9 +86,7 @@
 #define SG_MAX_ROWS 16
 #define SG_MAX_PARTS 256  // producer CTAs an SG_ROW_SCALE consumer can fold (stream_gemm.py checks)
 
-#define SG_COMPUTE_WARPS 4
 #define SG_W8_BLOCK 128  // columns per FP8 scale
-#define SG_THREADS (32 * (SG_COMPUTE_WARPS + 1))
 
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
@@ -168,20 +168,22 @@ __device__ __forceinline__ void store_y(bf16* p, float v) { *p = __float2bfloat1
 // (W8: KT / 128 boxes of 16 T x 128 uint8) [KT / 64 x boxes of 16 x 64] bf16 (XRES: the weight boxes alone), each
 // box rows of 128 bytes in the 128-byte swizzle (16-byte chunk j of row r sits at chunk j ^ (r % 8): ldmatrix's
 // eight rows hit eight different banks); XRES: then x's M rows of K bf16, XROW = 2 K + 16 bytes apart (W8: + 32, so
-// the eight-byte reads of eight rows g at 8 c hit distinct banks); then the partials red[3][T][NT][4][32] float32;
+// the eight-byte reads of eight rows g at 8 c hit distinct banks); then the partials red[CW - 1][T][NT][4][32] float32;
 // then full[stages], empty[stages] and (XRES) the x barrier; W8: then, 16 bytes past the x barrier's slot, the
 // staged scales scs[stages][2][16 T] float32 ([stage][scale column of the stage][row of the block]). stream_gemm.py
 // computes the same size.
 // XRES: xmap is no tensor map but {x's address, its row stride in bytes} in its first two words.
-template <int T, int NT, int KT, typename Y, int EPI, bool XRES, bool W8>
-__global__ void __launch_bounds__(SG_THREADS)
+template <int T, int NT, int KT, typename Y, int EPI, bool XRES, bool W8, int CW>
+__global__ void __launch_bounds__(32 * (CW + 1))
 stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap, Y* __restrict__ y,
             int M, int N, int K, int stages, int prefill, const __grid_constant__ Epilogue epi,
             const __grid_constant__ WeightScales wsc) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     pdl_launch_dependents();
     static_assert(!XRES || NT == 1, "resident x rows are addressed for one token tile");
-    static_assert(!W8 || KT / SG_COMPUTE_WARPS == 64, "a warp's columns of a stage must lie in one scale block");
+    static_assert(CW == 4 || CW == 8, "four or eight compute warps");
+    static_assert(!W8 || (KT == 256 && SG_W8_BLOCK % (KT / CW) == 0), "a warp's columns of a stage lie in one scale block");
+    constexpr int WCOLS = KT / CW;  // stage columns of one compute warp: [warp WCOLS, + WCOLS)
     constexpr int BOXES = KT / 64;                     // x boxes per stage (and bf16 weight boxes)
     constexpr int WBOXES = W8 ? KT / 128 : BOXES;      // weight boxes per stage
     constexpr int WBOX = 16 * T * 128, XBOX = 16 * 128;  // bytes
@@ -192,8 +194,8 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     const unsigned ring = (raw + 1023) & ~1023u;
     unsigned char* smem = smem_raw + (ring - raw);
     const unsigned xs = ring + stages * STAGE, xrow = 2 * K + (W8 ? 32 : 16);  // XRES: x's rows
-    float* red = reinterpret_cast<float*>(smem + (size_t)stages * STAGE + (XRES ? M * xrow : 0));  // [3][NACC][32]
-    const unsigned full0 = smem_addr(red + 3 * NACC * 32), empty0 = full0 + 8 * stages, xbar = empty0 + 8 * stages;
+    float* red = reinterpret_cast<float*>(smem + (size_t)stages * STAGE + (XRES ? M * xrow : 0));  // [CW-1][NACC][32]
+    const unsigned full0 = smem_addr(red + (CW - 1) * NACC * 32), empty0 = full0 + 8 * stages, xbar = empty0 + 8 * stages;
     const unsigned scs = xbar + 16;  // W8: the staged scales scs[stages][2][16 T]
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -205,14 +207,14 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     if (threadIdx.x == 0) {
         for (int s = 0; s < stages; ++s) {
             mbar_init(full0 + 8 * s, W8 ? 1 + 32 : 1);  // W8: the copy lanes' cp.async arrivals
-            mbar_init(empty0 + 8 * s, SG_COMPUTE_WARPS);
+            mbar_init(empty0 + 8 * s, CW);
         }
         if (XRES) mbar_init(xbar, 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
 
-    if (warp == SG_COMPUTE_WARPS) {  // ------------------------------------------------------------ copy warp
+    if (warp == CW) {  // ------------------------------------------------------------ copy warp
         // Lane 0 arms the barriers and issues the bulk copies; W8: all 32 lanes stage the scales besides.
         if (!W8 && lane != 0) return;
         unsigned long long evict_first, evict_last;  // the weight is read once per step; x by every CTA
@@ -323,7 +325,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
         for (int q = 0; q < SG_MAX_PARTS / 8; ++q) sum += part[q];
 #pragma unroll
         for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-        if (j == 0) row_scale[m] = rsqrtf(sum / (float)epi.width + epi.eps);  // read after the block's bar.sync
+        if (j == 0 && (CW == 4 || m < SG_MAX_ROWS)) row_scale[m] = rsqrtf(sum / (float)epi.width + epi.eps);  // read after the block's bar.sync
     }
     float acc[T][NT][4];
     auto zero = [&]() {
@@ -347,13 +349,13 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     if constexpr (XRES) mbar_wait(xbar, 0);
     if constexpr (XRES && W8) {  // x's resident rows times 2^64, in place, once
         for (int m = 0; m < M; ++m)
-            for (int w = threadIdx.x; w < K / 2; w += 32 * SG_COMPUTE_WARPS) {
+            for (int w = threadIdx.x; w < K / 2; w += 32 * CW) {
                 const unsigned at = xs + m * xrow + 4 * w;
                 unsigned v;
                 asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(at));
                 asm volatile("st.shared.u32 [%0], %1;" ::"r"(at), "r"(bf16x2_times_2_64(v)) : "memory");
             }
-        asm volatile("bar.sync 1, %0;" ::"n"(32 * SG_COMPUTE_WARPS) : "memory");
+        asm volatile("bar.sync 1, %0;" ::"n"(32 * CW) : "memory");
     }
     // SG_ADD_NORM, warp 0: the block's residual and norm weight, requested when the block starts and used at its
     // end (XRES: read where they are used, since with x resident the MMA steps would wait for the early loads;
@@ -393,8 +395,9 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
         mbar_wait(full0 + 8 * s, W8 ? ring_phase : (i / stages) & 1);
         const unsigned base = ring + s * STAGE;
         if constexpr (W8) {
-            // scs[s][warp / 2][16 t + g + 8 h] times 2^56 (exact below 2^72), read now, used after the MMAs.
-            const unsigned at = scs + 4 * (s * 32 * T + (warp >> 1) * 16 * T + g);
+            // scs[s][the warp's scale column][16 t + g + 8 h] times 2^56 (exact below 2^72), read now, used after
+            // the MMAs.
+            const unsigned at = scs + 4 * (s * 32 * T + (warp * WCOLS / SG_W8_BLOCK) * 16 * T + g);
 #pragma unroll
             for (int t = 0; t < T; ++t)
 #pragma unroll
@@ -404,27 +407,30 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                 }
         }
         if constexpr (W8) {
-            // This warp's 64 columns: bytes [64 (warp % 2), + 64) of weight box warp / 2 and x box warp (or x's
-            // resident columns), in two rounds of 32 columns = two MMA steps, each round its own partial sums.
-            float part[2][T][NT][4];
+            // This warp's WCOLS columns of the stage (bytes of the weight boxes, 128 columns each; columns of the x
+            // boxes, 64 each, or x's resident columns), in rounds of 32 columns = two MMA steps, each round its own
+            // partial sums (four warps: two rounds, eight: one).
+            constexpr int ROUNDS = WCOLS / 32;
+            float part[ROUNDS][T][NT][4];
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
+            for (int h = 0; h < ROUNDS; ++h)
 #pragma unroll
                 for (int t = 0; t < T; ++t)
 #pragma unroll
                     for (int n = 0; n < NT; ++n)
                         part[h][t][n][0] = part[h][t][n][1] = part[h][t][n][2] = part[h][t][n][3] = 0.f;
 #pragma unroll
-            for (int kk = 0; kk < 64; kk += 32) {
+            for (int kk = 0; kk < WCOLS; kk += 32) {
                 unsigned b[2][NT][2];  // [MMA step][token tile][register]
 #pragma unroll
                 for (int step = 0; step < 2; ++step)
 #pragma unroll
                     for (int n = 0; n < NT; ++n) {
-                        const int e = kk + 16 * step + 4 * c;  // column of the warp's 64: x[token][e .. e + 3]
+                        const int e = warp * WCOLS + kk + 16 * step + 4 * c;  // stage column: x[token][e .. e + 3]
+                        const int xe = e % 64;  // its column in x box e / 64
                         const unsigned xa = XRES
-                            ? b_res8 + 2 * (kt() * KT + warp * 64 + e)
-                            : base + WBOXES * WBOX + warp * XBOX + (8 * n + g) * 128 + (((e / 8) ^ g) << 4) + 2 * (e % 8);
+                            ? b_res8 + 2 * (kt() * KT + e)
+                            : base + WBOXES * WBOX + (e / 64) * XBOX + (8 * n + g) * 128 + (((xe / 8) ^ g) << 4) + 2 * (xe % 8);
                         unsigned x0, x1;
                         lds64(xa, x0, x1);
                         b[step][n][0] = __byte_perm(x0, x1, 0x5410);  // x[e], x[e + 2]
@@ -434,8 +440,8 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                             b[step][n][1] = bf16x2_times_2_64(b[step][n][1]);
                         }
                     }
-                const unsigned wa = base + (warp >> 1) * WBOX + a_row +
-                                    (((((warp & 1) * 64 + kk) / 16 + a_half) ^ key) << 4);
+                const int we = warp * WCOLS + kk;  // stage column = byte of weight box we / 128
+                const unsigned wa = base + (we / 128) * WBOX + a_row + ((((we % 128) / 16 + a_half) ^ key) << 4);
 #pragma unroll
                 for (int t = 0; t < T; ++t) {
                     unsigned r0, r1, r2, r3, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3;
@@ -456,11 +462,16 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
 #pragma unroll
                 for (int n = 0; n < NT; ++n)
 #pragma unroll
-                    for (int r = 0; r < 4; ++r) acc[t][n][r] += sc0[t][r >> 1] * (part[0][t][n][r] + part[1][t][n][r]);
+                    for (int r = 0; r < 4; ++r) {
+                        float sum = part[0][t][n][r];
+#pragma unroll
+                        for (int h = 1; h < ROUNDS; ++h) sum += part[h][t][n][r];
+                        acc[t][n][r] += sc0[t][r >> 1] * sum;
+                    }
         } else {
 #pragma unroll
-        for (int kk = 0; kk < KT / SG_COMPUTE_WARPS; kk += 16) {
-            const int k0 = warp * (KT / SG_COMPUTE_WARPS) + kk;  // stage column of this MMA step
+        for (int kk = 0; kk < KT / CW; kk += 16) {
+            const int k0 = warp * (KT / CW) + kk;  // stage column of this MMA step
             const unsigned box = k0 / 64, chunk = (k0 % 64) / 8;
             unsigned b[NT][2];
             const unsigned xa = XRES ? b_res + 2 * (kt() * KT + k0)
@@ -481,22 +492,22 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
         if (lane == 0) mbar_arrive(empty0 + 8 * s);
 
         if (W8 ? ring_kt + 1 != ktiles : (i + 1) % ktiles != 0) continue;
-        // End of a row block: add the four warps' partials in a fixed order and write the outputs.
+        // End of a row block: add the CW warps' partials in a fixed order and write the outputs.
         float* mine = &acc[0][0][0];
         if (warp > 0) {
 #pragma unroll
             for (int r = 0; r < NACC; ++r) red[((warp - 1) * NACC + r) * 32 + lane] = mine[r];
         }
-        asm volatile("bar.sync 1, %0;" ::"n"(32 * SG_COMPUTE_WARPS) : "memory");
+        asm volatile("bar.sync 1, %0;" ::"n"(32 * CW) : "memory");
         const int row0 = (blockIdx.x + blk() * gridDim.x) * 16 * T;
         if (warp == 0) {
-            for (int p = 0; p < SG_COMPUTE_WARPS - 1; ++p) {
+            for (int p = 0; p < CW - 1; ++p) {
 #pragma unroll
                 for (int r = 0; r < NACC; ++r) mine[r] += red[(p * NACC + r) * 32 + lane];
             }
             if constexpr ((EPI & SG_SWIGLU) != 0) {
 #pragma unroll
-                for (int r = 0; r < NACC; ++r) red[r * 32 + lane] = mine[r];  // for all four warps (below)
+                for (int r = 0; r < NACC; ++r) red[r * 32 + lane] = mine[r];  // for all the warps (below)
             } else {
 #pragma unroll
                 for (int t = 0; t < T; ++t)
@@ -522,11 +533,11 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
             }
         }
         if constexpr ((EPI & SG_SWIGLU) != 0) {
-            // The SwiGLU of the block's sums, spread over the four warps (an IEEE division each: in warp 0 alone
+            // The SwiGLU of the block's sums, spread over the compute warps (an IEEE division each: in warp 0 alone
             // they held the other warps at the barrier). Unit u = (t, n, e) holds accumulator 4 (t NT + n) + e,
             // the gate feature row0 / 2 + 8 t + g of token m, and + 2 its up (N % 16 == 0).
-            asm volatile("bar.sync 1, %0;" ::"n"(32 * SG_COMPUTE_WARPS) : "memory");
-            for (int u = warp; u < T * NT * 2; u += SG_COMPUTE_WARPS) {
+            asm volatile("bar.sync 1, %0;" ::"n"(32 * CW) : "memory");
+            for (int u = warp; u < T * NT * 2; u += CW) {
                 const int t = u / (2 * NT), n = (u / 2) % NT, e = u % 2;
                 const int m = 8 * n + 2 * c + e;
                 if (m >= M || row0 + 16 * t >= N) continue;
@@ -538,7 +549,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                 store_y(y + (long long)m * (N / 2) + row0 / 2 + 8 * t + g, swiglu_value(gate, up));
             }
         }
-        asm volatile("bar.sync 1, %0;" ::"n"(32 * SG_COMPUTE_WARPS) : "memory");  // red is free again
+        asm volatile("bar.sync 1, %0;" ::"n"(32 * CW) : "memory");  // red is free again
         zero();
     }
     if constexpr (EPI == SG_ADD_NORM) if (warp == 0) {

@@ -41,8 +41,8 @@ REPS, ROUNDS, PER_ROUND = 8, 5, 4
 
 
 def configs(base) -> dict[str, object]:
-    """name -> tuning (None: the bf16 weight at the base tuning)."""
-    return {"bf16": None, "fp8": dataclasses.replace(base)}
+    """name -> tuning (None: the bf16 weight at the base tuning): FP8 with four and with eight compute warps."""
+    return {"bf16": None, **{f"fp8 x{w}": dataclasses.replace(base, stream_gemm_w8_warps=w) for w in (4, 8)}}
 
 
 def bf16_random(n: int, k: int, seed: int) -> cupy.ndarray:
@@ -112,10 +112,10 @@ def main() -> None:
             for m in ROWS:
                 w = bf16[s][0] if t is None else fp8[s][0]
                 names.setdefault("bf16" if t is None else "fp8", set()).add(
-                    sg.kernel_name(m, w, y32[m], sms))
+                    sg.kernel_name(m, w, y32[m], sms, t or base))
         if t is not None:
             for m in ROWS:
-                names["fp8"].add(sg.kernel_name(m, every[0][1], y32[m], sms))
+                names["fp8"].add(sg.kernel_name(m, every[0][1], y32[m], sms, t))
     names_t = {k: tuple(sorted(v)) for k, v in names.items()}
 
     def launch(x, w, y, t):

@@ -294,7 +294,7 @@ class CudaBackend:
         rows = as_rows(x)
         (m, k), n = rows.shape, weight.shape[0]
         if isinstance(weight, Fp8Weight):
-            fusable = weight.shape[1] == k and stream_gemm.fusable_fp8(m, n, k, self.num_sms)
+            fusable = weight.shape[1] == k and stream_gemm.fusable_fp8(m, n, k, self.num_sms, self.tuning)
         else:
             fusable = weight.flags.c_contiguous and stream_gemm.fusable(m, n, k, weight.nbytes, self.num_sms,
                                                                         self.tuning)

@@ -57,8 +57,7 @@ X_RESIDENT_BYTES = 32 << 10  # x's rows are resident (see above) while they take
 # SM (a kernel launched early under PDL would otherwise pile its CTAs onto the SMs free at that moment and stream
 # at half speed there), while one attention CTA (70 KiB) still fits beside one.
 SMEM_BUDGET = 116 << 10
-COMPUTE_WARPS = 4  # SG_COMPUTE_WARPS in stream_gemm.cu
-THREADS = 32 * (COMPUTE_WARPS + 1)
+BF16_WARPS = 4  # compute warps (the kernel's CW) of a bf16 weight; an FP8 one's: tuning.stream_gemm_w8_warps
 _Y = {"float32": "float", "bfloat16": "bf16", "uint16": "bf16"}
 PLAIN, ADD_NORM, ROW_SCALE, SWIGLU = 0, 1, 2, 4  # SG_PLAIN, SG_ADD_NORM, SG_ROW_SCALE, SG_SWIGLU (a flag)
 
@@ -72,6 +71,11 @@ class Plan:
     stages: int
 
     w8: bool = False  # FP8 weight (its boxes hold 128 columns of one byte)
+    warps: int = BF16_WARPS  # compute warps (CW): each takes KT / warps columns of a stage; one more warp copies
+
+    @property
+    def threads(self) -> int:
+        return 32 * (self.warps + 1)
 
     @staticmethod
     def stage_bytes(t: int, x_resident: bool = False, w8: bool = False) -> int:
@@ -85,13 +89,13 @@ class Plan:
         """Dynamic shared memory to request, with x's rows resident (`x_bytes`) or in boxes (None): at least
         SMEM_BUDGET, which keeps two CTAs off one SM."""
         ring = self.stages * self.stage_bytes(self.t, x_bytes is not None, self.w8)
-        return max(SMEM_BUDGET, self.fixed_bytes(self.t) + ring + (x_bytes or 0))
+        return max(SMEM_BUDGET, self.fixed_bytes(self.t, self.warps) + ring + (x_bytes or 0))
 
     @staticmethod
-    def fixed_bytes(t: int) -> int:
-        """Everything but the ring and resident x: alignment slack, the partials red[3][t][2][4][32] float32, the
-        barriers (full and empty for up to 16 stages, the x barrier)."""
-        return 1024 + (COMPUTE_WARPS - 1) * t * 2 * 4 * 32 * 4 + 16 * 16 + 16
+    def fixed_bytes(t: int, warps: int = BF16_WARPS) -> int:
+        """Everything but the ring and resident x: alignment slack, the partials red[warps - 1][t][2][4][32]
+        float32, the barriers (full and empty for up to 16 stages, the x barrier)."""
+        return 1024 + (warps - 1) * t * 2 * 4 * 32 * 4 + 16 * 16 + 16
 
 
 def resident_x_bytes(m: int, k: int, w8: bool = False) -> int | None:
@@ -108,12 +112,12 @@ BLOCK_OVERHEAD_TILES = 0.85
 
 
 @functools.cache
-def plan_for(n: int, k: int, num_sms: int, w8: bool = False) -> Plan:
+def plan_for(n: int, k: int, num_sms: int, w8: bool = False, warps: int = BF16_WARPS) -> Plan:
     """Row blocks of t = 4..1 tiles, the t whose CTAs finish first: each CTA streams `rounds` blocks of t tiles and
     pays BLOCK_OVERHEAD_TILES per block (ties go to larger blocks, which share each x tile across more weight
     rows). Counting only the SM slots the last round leaves idle picked one-tile blocks whenever they divided
     evenly (1.2x slower at 9B's qkvg, and for 27B's qkvg and gate_up). w8: an FP8 weight, whose smaller stages make
-    the ring deeper."""
+    the ring deeper; warps: its compute warps (their partials take shared memory from the ring)."""
     tiles = math.ceil(n / 16)
 
     def cost(t: int) -> float:
@@ -122,8 +126,13 @@ def plan_for(n: int, k: int, num_sms: int, w8: bool = False) -> Plan:
     t = min((4, 3, 2, 1), key=cost)
     blocks = math.ceil(tiles / t)
     rounds = math.ceil(blocks / num_sms)
-    stages = min(16, (SMEM_BUDGET - Plan.fixed_bytes(t)) // Plan.stage_bytes(t, w8=w8))
-    return Plan(t=t, grid=math.ceil(blocks / rounds), stages=max(2, stages), w8=w8)
+    stages = min(16, (SMEM_BUDGET - Plan.fixed_bytes(t, warps)) // Plan.stage_bytes(t, w8=w8))
+    return Plan(t=t, grid=math.ceil(blocks / rounds), stages=max(2, stages), w8=w8, warps=warps)
+
+
+def weight_plan(n: int, k: int, num_sms: int, w8: bool, tuning: CudaTuning) -> Plan:
+    """plan_for with the weight format's compute warps."""
+    return plan_for(n, k, num_sms, w8, tuning.stream_gemm_w8_warps if w8 else BF16_WARPS)
 
 
 _SMEM_PER_SM, _SMEM_PER_BLOCK_OPTIN = 81, 97  # cudaDeviceAttr values
@@ -161,9 +170,9 @@ def usable_fp8(m: int, n: int, k: int) -> bool:
     return 1 <= m <= MAX_ROWS and k % KT == 0 and available()
 
 
-def fusable_fp8(m: int, n: int, k: int, num_sms: int) -> bool:
+def fusable_fp8(m: int, n: int, k: int, num_sms: int, tuning: CudaTuning) -> bool:
     """usable_fp8, as an SG_ADD_NORM producer (few enough CTAs to fold)."""
-    return usable_fp8(m, n, k) and plan_for(n, k, num_sms, True).grid <= MAX_PARTS
+    return usable_fp8(m, n, k) and weight_plan(n, k, num_sms, True, tuning).grid <= MAX_PARTS
 
 
 class TensorMap(ctypes.Structure):  # CUtensorMap: 128 opaque bytes, passed to the kernel by value
@@ -223,19 +232,19 @@ def tensor_map(ptr: int, rows: int, cols: int, row_stride: int, box_rows: int, i
     return out
 
 
-def _name(t: int, nt: int, y: str, epilogue: int, x_resident: bool, w8: bool) -> str:
+def _name(t: int, nt: int, y: str, epilogue: int, x_resident: bool, w8: bool, warps: int) -> str:
     return (f"stream_gemm<{t}, {nt}, {KT}, {y}, {epilogue}, {'true' if x_resident else 'false'}, "
-            f"{'true' if w8 else 'false'}>")
+            f"{'true' if w8 else 'false'}, {warps}>")
 
 
-def _names(w8: bool) -> tuple[str, ...]:
-    return tuple(_name(t, nt, y, e, res, w8) for t in (1, 2, 3, 4) for nt, res in ((1, False), (2, False), (1, True))
+@functools.cache
+def _names(w8: bool, warps: int) -> tuple[str, ...]:
+    """Every instantiation of a module: the bf16 one (w8 False), or the FP8 one (the same source compiled apart, with
+    the tuning's compute warps)."""
+    return tuple(_name(t, nt, y, e, res, w8, warps) for t in (1, 2, 3, 4)
+                 for nt, res in ((1, False), (2, False), (1, True))
                  for y, e in (("float", PLAIN), ("bf16", PLAIN), ("float", ADD_NORM), ("float", ROW_SCALE),
                               ("bf16", ROW_SCALE), ("bf16", SWIGLU), ("bf16", ROW_SCALE | SWIGLU)))
-
-
-_NAMES = _names(False)  # the bf16 module
-_NAMES_W8 = _names(True)  # the FP8 module: the same source, compiled apart
 
 
 def stream_gemm(x: cupy.ndarray, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
@@ -251,7 +260,7 @@ def add_norm(x: cupy.ndarray, w: cupy.ndarray | Fp8Weight, residual: cupy.ndarra
     """(rms_norm(r) * norm_w deferred, r) with r = residual + x @ w.T, float32 [M, N]; residual contiguous float32
     [M, N], norm_w bf16 [N]."""
     m, n = x.shape[0], w.shape[0]
-    parts = plan_for(n, w.shape[1], num_sms, isinstance(w, Fp8Weight)).grid  # <= MAX_PARTS: the caller checks
+    parts = weight_plan(n, w.shape[1], num_sms, isinstance(w, Fp8Weight), tuning).grid  # <= MAX_PARTS: checked
     r = cupy.empty((m, n), dtype=cupy.float32)
     normed = cupy.empty((m, n), dtype=x.dtype)
     ssq = cupy.empty((parts, MAX_ROWS), dtype=cupy.float32)
@@ -269,13 +278,15 @@ def row_scaled(x: DeferredNorm, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, nu
             Epilogue(ssq=part.ssq.data.ptr, parts=part.ssq.shape[0], width=part.normed.shape[1], eps=x.eps))
 
 
-def kernel_name(m: int, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_sms: int, epilogue: int = PLAIN) -> str:
+def kernel_name(m: int, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
+                epilogue: int = PLAIN) -> str:
     """The instantiation a launch for x [m, K] @ w.T into y takes (a microbench compiles just the ones it needs:
     `_launch`'s `names`)."""
     n, k = w.shape
     w8 = isinstance(w, Fp8Weight)
-    plan = plan_for(n, k, num_sms, w8)
-    return _name(plan.t, 1 if m <= 8 else 2, _Y[y.dtype.name], epilogue, resident_x_bytes(m, k, w8) is not None, w8)
+    plan = weight_plan(n, k, num_sms, w8, tuning)
+    return _name(plan.t, 1 if m <= 8 else 2, _Y[y.dtype.name], epilogue, resident_x_bytes(m, k, w8) is not None, w8,
+                 plan.warps)
 
 
 def _launch(x: cupy.ndarray, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
@@ -286,10 +297,10 @@ def _launch(x: cupy.ndarray, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_s
     w8 = isinstance(w, Fp8Weight)
     if epilogue & SWIGLU and (n % 16 or y.shape != (m, n // 2) or y.dtype.name == "float32"):
         raise BackendError(f"stream_gemm swiglu: weight rows {n} (need a multiple of 16), y {y.shape} {y.dtype}")
-    plan = plan_for(n, k, num_sms, w8)
+    plan = weight_plan(n, k, num_sms, w8, tuning)
     x_bytes = resident_x_bytes(m, k, w8)
-    name = kernel_name(m, w, y, num_sms, epilogue)
-    kern = kernel_loader.function("stream_gemm", name, names or (_NAMES_W8 if w8 else _NAMES), tuning=tuning)
+    name = kernel_name(m, w, y, num_sms, tuning, epilogue)
+    kern = kernel_loader.function("stream_gemm", name, names or _names(w8, plan.warps), tuning=tuning)
     smem = plan.smem(x_bytes)
     kern.reserve_shared(smem)
     ldx = x.strides[0] // x.itemsize if m > 1 else k
@@ -302,7 +313,7 @@ def _launch(x: cupy.ndarray, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_s
     stream = cupy.cuda.get_current_stream()
     args = (wmap, xmap, y, i32(m), i32(n), i32(k), i32(plan.stages), i32(tuning.stream_gemm_prefill_stages), epi,
             scales)
-    pdl.launch(kern.raw, (plan.grid,), (THREADS,), args, smem, stream, programmatic=kern.programmatic(stream))
+    pdl.launch(kern.raw, (plan.grid,), (plan.threads,), args, smem, stream, programmatic=kern.programmatic(stream))
 
 
 def _x_rows(ptr: int, stride: int) -> TensorMap:

@@ -40,6 +40,9 @@ class CudaTuning:
     # linear ops read them (fp8_weight.py). Off: dequantized to bf16 at load. Off by default while the FP8 path is
     # slower where it counts: its many-row path makes a verify at batch 8 2.7x slower than bf16 (BENCHMARKS.md).
     fp8_on_device: bool = False
+    # Compute warps of the streaming GEMM over an FP8 weight: 4 (one per scheduler) or 8 (two). Part of the plan: the
+    # summation order depends on it, never on the rows (kernels/stream_gemm.cu).
+    stream_gemm_w8_warps: int = 8
     # A folder to compile the CUDA sources from instead of the package's: an A/B of kernel code in one checkout.
     kernel_dir: str | None = None
     # Extra NVRTC options for every module, e.g. -lineinfo, or the step timeline's -DCF_TRACE
@@ -59,6 +62,8 @@ class CudaTuning:
         for f in ("stream_gemm_prefill_stages", "stream_gemm_min_bytes", "invariant_max_context"):
             if getattr(self, f) < 0:
                 raise ConfigError(f"tuning.{f}: expected a non-negative integer, got {getattr(self, f)}")
+        if self.stream_gemm_w8_warps not in (4, 8):
+            raise ConfigError(f"tuning.stream_gemm_w8_warps: 4 or 8, got {self.stream_gemm_w8_warps}")
         if self.invariant_max_context > INVARIANT_CONTEXT_LIMIT:
             raise ConfigError(f"tuning.invariant_max_context: at most {INVARIANT_CONTEXT_LIMIT} keys, got "
                               f"{self.invariant_max_context}")

@@ -5,6 +5,8 @@ invariances the engine relies on (a row's bits do not depend on the other rows; 
 producer)."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -28,13 +30,14 @@ EPS = 1e-6
 SHAPES = [(200, 256), (1000, 512), (4096, 1024), (4000, 4096), (24576, 256), (296, 12288)]
 
 
-@pytest.fixture(scope="module")
-def cb():
+@pytest.fixture(scope="module", params=[4, 8], ids=["w8x4", "w8x8"])
+def cb(request):
     """The CUDA backend with FP8 weights kept on the device (tuning.fp8_on_device, off by default): its
-    load_quantized gives the Fp8Weight whose GEMMs these tests check."""
+    load_quantized gives the Fp8Weight whose GEMMs these tests check; with four and with eight compute warps in the
+    streaming GEMM (tuning.stream_gemm_w8_warps: another summation order, the same function)."""
     from cudflash.backends.cuda_backend import CudaBackend
 
-    return CudaBackend(tuning={"fp8_on_device": True})
+    return CudaBackend(tuning={"fp8_on_device": True, "stream_gemm_w8_warps": request.param})
 
 
 def quantized(rng, n: int, k: int, scale: float = 1.0) -> QuantizedWeight:
@@ -223,13 +226,14 @@ def test_fp8_gemm_in_a_graph_reads_x_after_its_producer(cb, rng, m):
 def test_fp8_plans_fit_and_do_not_depend_on_rows():
     """FP8 plans: the same row blocks and grid as bf16 (the grid is about rows, not bytes), a deeper ring (half the
     bytes per stage), the same shared-memory request (one CTA per SM)."""
-    for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (200, 256)):
-        bf, f8 = sg.plan_for(n, k, 132), sg.plan_for(n, k, 132, True)
-        assert (f8.t, f8.grid) == (bf.t, bf.grid) and f8.stages >= bf.stages
+    for (n, k), warps in itertools.product(((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (200, 256)),
+                                           (4, 8)):
+        bf, f8 = sg.plan_for(n, k, 132), sg.plan_for(n, k, 132, True, warps)
+        assert (f8.t, f8.grid) == (bf.t, bf.grid) and f8.stages >= bf.stages and f8.threads == 32 * (warps + 1)
         for m in (1, 8, 16):
             x_bytes = sg.resident_x_bytes(m, k, True)
             assert f8.smem(x_bytes) == sg.SMEM_BUDGET
-            assert f8.fixed_bytes(f8.t) + f8.stages * f8.stage_bytes(f8.t, x_bytes is not None, True) + (
+            assert f8.fixed_bytes(f8.t, warps) + f8.stages * f8.stage_bytes(f8.t, x_bytes is not None, True) + (
                 x_bytes or 0) <= sg.SMEM_BUDGET
 
 
