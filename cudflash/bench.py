@@ -347,10 +347,11 @@ def format_table(results: list[BatchResult], copy_gb_s: float | None) -> str:
     return "\n".join(lines)
 
 
-def synthetic_fp8(target: Any, backend: Any, std: float = 0.02) -> None:
+def synthetic_fp8(target: Any, backend: Any, std: float = 0.02, lm_head: bool = False) -> None:
     """Replace the synthetic target's linear weights (every layer's qkv, o_proj, gate_up, down) by FP8 weights of the
-    same shapes made on the device (fp8_weight.random_fp8), as quantize="fp8" would hold them; the embedding and the
-    LM head stay bf16, as in the Qwen -FP8 releases. Before the first step, so every captured graph reads them."""
+    same shapes made on the device (fp8_weight.random_fp8), as quantize="fp8" would hold them; the embedding stays
+    bf16, and so does the LM head (as in the Qwen -FP8 releases) unless `lm_head` (quantize_lm_head: an FP8 head
+    beside a tied embedding too). Before the first step, so every captured graph reads them."""
     if backend.name != "cuda":
         raise BackendError("bench --weights fp8 needs the cuda backend (the weights are made on the device)")
     if any(not hasattr(layer, "qkv") for layer in target.layers):
@@ -361,6 +362,8 @@ def synthetic_fp8(target: Any, backend: Any, std: float = 0.02) -> None:
     for i, layer in enumerate(target.layers):
         for j, name in enumerate(("qkv", "o_proj", "gate_up", "down")):
             setattr(layer, name, random_fp8(getattr(layer, name).shape, std, seed=1000 + 4 * i + j))
+    if lm_head:
+        target.lm_head = random_fp8(target.lm_head.shape, std, seed=999)
 
 
 @dataclass(frozen=True, slots=True)
@@ -451,10 +454,11 @@ def run_bench(args, tuning: CudaTuning | None = None) -> str:
               progress=not synthetic, memory_utilization=args.gpu_memory_utilization,
               enforce_eager=args.enforce_eager, tuning=tuning,
               draft_options=draft_options(args),
-              quantize=getattr(args, "quantize", None), quantize_draft=getattr(args, "quantize_draft", False))
+              quantize=getattr(args, "quantize", None), quantize_draft=getattr(args, "quantize_draft", False),
+              quantize_lm_head=getattr(args, "quantize_lm_head", False) and not synthetic)
     weights = getattr(args, "weights", "bf16")
     if weights == "fp8":
-        synthetic_fp8(llm.runner.target, llm.backend)
+        synthetic_fp8(llm.runner.target, llm.backend, lm_head=getattr(args, "quantize_lm_head", False))
     memory = weight_memory(llm)
     copy = copy_bandwidth_gb_s(llm.backend)
     report: dict[str, Any] = {"backend": llm.backend.name, "model": args.synthetic or str(target),

@@ -147,6 +147,9 @@ def _add_quantize_arguments(p: argparse.ArgumentParser) -> None:
                         "they are without it")
     p.add_argument("--quantize-draft", action="store_true",
                    help="with --quantize: quantize the drafter too (default: the drafter stays bf16)")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="the target's LM head (a tied one: an FP8 copy of the embedding) in 128x128 block-scaled FP8 "
+                        "at load, on any target; the drafter borrows it (default: as stored, bf16 in the releases)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -160,7 +163,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(backend=args.backend, block_size=args.block_size, draft_options=options,
                 max_num_seqs=args.max_num_seqs, memory_utilization=args.gpu_memory_utilization,
                 enforce_eager=args.enforce_eager, quantize=args.quantize, quantize_draft=args.quantize_draft,
-                tensor_parallel_size=args.tensor_parallel_size, num_state_snapshots=args.num_state_snapshots)
+                quantize_lm_head=args.quantize_lm_head, tensor_parallel_size=args.tensor_parallel_size, num_state_snapshots=args.num_state_snapshots)
 
 
 def add_generate_arguments(g: argparse.ArgumentParser) -> None:
@@ -220,7 +223,8 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
     _add_quantize_arguments(bench)
     bench.add_argument("--weights", choices=["bf16", "fp8"], default="bf16",
                        help="with --synthetic: the format of the target's linear weights (fp8: E4M3 codes with "
-                            "128x128 block scales, made on the device; the LM head and embeddings stay bf16)")
+                            "128x128 block scales, made on the device; the embeddings stay bf16, the LM head too "
+                            "unless --quantize-lm-head)")
     bench.add_argument("--prefill-only", action="store_true",
                        help="time the prefill of each batch of prompts (tokens/s) and no decode steps")
     bench.add_argument("--json", type=Path, metavar="FILE", help="write the numbers as JSON too")
@@ -237,6 +241,9 @@ def run_bench_command(args: argparse.Namespace) -> None:
     if args.weights != "bf16" and args.synthetic is None:
         raise RequestError("bench --weights picks the format of --synthetic weights; a checkpoint brings its own "
                            "(or --quantize fp8)")
+    if args.quantize_lm_head and args.synthetic is not None and args.weights == "bf16":
+        raise RequestError("bench --quantize-lm-head with --synthetic goes with --weights fp8 (the FP8 weights are "
+                           "made on the device)")
     if args.weights != "bf16" and args.backend == "cpu":
         raise RequestError(f"bench --weights {args.weights} needs the cuda backend (the weights are made on the device)")
     if args.json is not None and not args.json.parent.is_dir():

@@ -2,7 +2,7 @@
 
 Usage: python3 scripts/quant_tau.py [PAIR_DIR] [--new N] [--backend cpu|cuda]
 PAIR_DIR defaults to ../shared/models/tiny-code-pair. Variants: the bf16 pair; the target quantized to FP8 at load
-(drafter bf16, then drafter FP8 too); the target written as a Qwen -FP8 release and as a ModelOpt NVFP4 release
+(drafter bf16, then drafter FP8 too, then the LM head FP8 too: quantize_lm_head); the target written as a Qwen -FP8 release and as a ModelOpt NVFP4 release
 (tests/quant_checkpoints.py, from its bf16 weights) and loaded as such. For each: tau (mean over prompts of each
 prompt's mean acceptance length, as golden_dev.jsonl defines it), whether speculative greedy == autoregressive
 greedy of the same target on every prompt, and how many prompts' greedy output equals the bf16 target's.
@@ -55,6 +55,7 @@ def main() -> None:
         variants = [("bf16", pair / "target", {}),
                     ("fp8 at load (drafter bf16)", pair / "target", {"quantize": "fp8"}),
                     ("fp8 at load (drafter fp8)", pair / "target", {"quantize": "fp8", "quantize_draft": True}),
+                    ("fp8 at load, FP8 LM head", pair / "target", {"quantize": "fp8", "quantize_lm_head": True}),
                     ("Qwen-FP8 layout on disk", released(pair, "qwen_fp8", Path(tmp)), {}),
                     ("ModelOpt NVFP4 on disk", released(pair, "modelopt_nvfp4", Path(tmp)), {})]
         base_ar = None

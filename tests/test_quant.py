@@ -320,6 +320,45 @@ def test_quantize_choices_are_checked(tmp_path):
     assert np.array_equal(same.layers[0].qkv, LLM(fp8, backend="cpu", kv_block_size=8).runner.target.layers[0].qkv)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_quantize_lm_head_converts_the_head_alone(tmp_path, tied):
+    """quantize_lm_head: the head becomes the exact values of its 128x128 block-scaled FP8 form; a tied head is an
+    FP8 copy beside the embedding, which keeps the stored rows; nothing else changes. Speculative greedy still
+    equals autoregressive greedy of that model (the drafter borrows the quantized head)."""
+    shape = TinyShape(num_layers=3, target_layer_ids=[0, 2], tie_word_embeddings=tied)
+    tensors, config = _target(tmp_path, shape, seed=5)
+    target = write_model(tmp_path / "t", config, tensors)
+    drafter = write_model(tmp_path / "d", draft_config(shape), draft_tensors(shape, np.random.default_rng(6), tensors))
+    ckpt = Checkpoint(target)
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    assert ("lm_head.weight" in ckpt) != tied
+    kw = dict(backend="cpu", kv_block_size=8, quantize_lm_head=True)
+    llm = LLM(target, draft=drafter, **kw)
+    t, plain = llm.runner.target, LLM(target, backend="cpu", kv_block_size=8).runner.target
+    assert np.array_equal(t.lm_head, dequantize(quantize_fp8_block(ckpt.float32(head))))
+    assert not np.array_equal(t.lm_head, plain.lm_head)
+    assert np.array_equal(t.embed_tokens, plain.embed_tokens) and t.lm_head is not t.embed_tokens
+    assert np.array_equal(t.layers[1].qkv, plain.layers[1].qkv) and np.array_equal(t.norm, plain.norm)
+    mem = llm.runner.weight_memory["target"]
+    assert mem.device["fp8"] == 4 * shape.vocab_size * shape.hidden_size  # float32 values on the numpy backend
+    prompts = [[int(x) for x in np.random.default_rng(s).integers(2, 250, 9 + s)] for s in range(3)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    spec = llm.generate(prompts, params)
+    ar = LLM(target, **kw).generate(prompts, params)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in ar] and all(r.acceptance_lengths for r in spec)
+
+
+def test_quantize_lm_head_choices_are_checked(tmp_path):
+    tensors, config = _target(tmp_path, ODD)
+    target = write_model(tmp_path / "t", config, tensors)
+    with pytest.raises(ConfigError, match="quantize_lm_head must be true or false"):
+        LLM(target, backend="cpu", quantize_lm_head="yes")
+    with pytest.raises(ConfigError, match="quantize_lm_head with random weights"):
+        LLM(target, backend="cpu", random_weights=True, quantize_lm_head=True)
+    with pytest.raises(ConfigError, match="quantize_lm_head with tensor parallelism"):
+        LLM(target, backend="cpu", quantize_lm_head=True, tensor_parallel_size=2)
+
+
 # ---- refusals
 def _config_with(tmp_path: Path, qc: dict | None, hf: dict | None = None) -> Path:
     tensors, config = _target(tmp_path, ODD)
@@ -450,8 +489,10 @@ def test_cli_quantize_reaches_the_engine_for_generate_serve_and_bench():
         kw = engine_kwargs(args)
         assert kw["quantize"] == "fp8" and kw["quantize_draft"] is True
         assert engine_kwargs(parser.parse_args([command, "--target", "t"]))["quantize"] is None
+    assert engine_kwargs(parser.parse_args(["serve", "--target", "t", "--quantize-lm-head"]))["quantize_lm_head"]
+    assert engine_kwargs(parser.parse_args(["generate", "--target", "t"]))["quantize_lm_head"] is False
     bench = parser.parse_args(["bench", "--target", "t", "--quantize", "fp8"])
-    assert bench.quantize == "fp8" and bench.quantize_draft is False
+    assert bench.quantize == "fp8" and bench.quantize_draft is False and bench.quantize_lm_head is False
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "--target", "t", "--quantize", "int4"])
 
@@ -479,12 +520,12 @@ def _prompt_file(tmp_path: Path) -> Path:
 PAIR_PROMPTS = 6  # of its 32 dev prompts: scripts/quant_tau.py measures all of them
 
 
-@pytest.mark.parametrize("variant", ["fp8 at load", "nvfp4 on disk"])
+@pytest.mark.parametrize("variant", ["fp8 at load", "fp8 at load with the head", "nvfp4 on disk"])
 def test_tiny_pair_quantized_speculative_greedy_equals_autoregressive(tiny_pair, tmp_path, variant):
     from tests.quant_checkpoints import copy_side_files, write_quantized
 
     prompts = json.loads((tiny_pair / "prompts_dev.json").read_text())["prompts"][:PAIR_PROMPTS]
-    target, kw = tiny_pair / "target", {"quantize": "fp8"}
+    target, kw = tiny_pair / "target", {"quantize": "fp8", "quantize_lm_head": variant.endswith("head")}
     if variant == "nvfp4 on disk":
         ckpt = Checkpoint(target)
         config = json.loads((target / "config.json").read_text())

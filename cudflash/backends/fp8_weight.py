@@ -38,6 +38,11 @@ class Fp8Weight:
         return tuple(self.data.shape)
 
     @property
+    def size(self) -> int:
+        """Elements of the logical [N, K] weight (as an array's size: what a GEMM multiplies)."""
+        return int(self.data.size)
+
+    @property
     def nbytes(self) -> int:
         """The bytes a GEMM over this weight reads: codes, scales and the row map."""
         return int(self.data.nbytes + self.scale.nbytes + self.rows.nbytes)

@@ -61,7 +61,8 @@ class LLM:
                  draft_options: DraftOptions | dict | None = None, enforce_eager: bool = False,
                  tuning: CudaTuning | dict | None = None, max_model_len: int | None = None,
                  check_weights: bool = True, quantize: str | None = None, quantize_draft: bool = False,
-                 tensor_parallel_size: int = 1, num_state_snapshots: int | None = None):
+                 quantize_lm_head: bool = False, tensor_parallel_size: int = 1,
+                 num_state_snapshots: int | None = None):
         # A local folder, or a Hugging Face model id ("Org/Name": the local cache first, else a download).
         target = resolve_model(target, "target")
         draft = resolve_model(draft, "draft") if draft is not None else None
@@ -80,7 +81,11 @@ class LLM:
             raise ConfigError(f"num_state_snapshots must be an integer >= 0, got {num_state_snapshots!r}")
         self.draft_cfg = load_draft_config(draft) if draft is not None else None
         # The target's quantized format (None: unquantized) and the quantize choices, checked (quant/options.py).
-        self.target_quant = check_quantize(target, draft, quantize, quantize_draft, random_weights)
+        self.target_quant = check_quantize(target, draft, quantize, quantize_draft, random_weights,
+                                          quantize_lm_head)
+        if quantize_lm_head and tensor_parallel_size != 1:
+            raise ConfigError("quantize_lm_head with tensor parallelism is not supported yet (a rank's vocabulary "
+                              "slice of the head would need its own scales)")
         # Drafting choices (DraftOptions: drafter windows, DSpark cuts, draft trees): lossless, off by default.
         self.draft_options = DraftOptions(**draft_options) if isinstance(draft_options, dict) else draft_options
         if self.draft_options is not None and self.draft_cfg is None:
@@ -116,7 +121,7 @@ class LLM:
                                   progress=progress, random_weights=random_weights, max_model_len=max_model_len,
                                   check_weights=check_weights, target_quant=self.target_quant,
                                   quantize=quantize, quantize_draft=quantize_draft,
-                                  tensor_parallel_size=check_tensor_parallel(tensor_parallel_size, self.backend),
+                                  quantize_lm_head=quantize_lm_head, tensor_parallel_size=check_tensor_parallel(tensor_parallel_size, self.backend),
                                   num_state_snapshots=num_state_snapshots)
         self.runner.blocks.enable_prefix_caching = enable_prefix_caching
         proposer = make_proposer(self.runner, self.draft_options) if self.runner.draft is not None else None

@@ -70,10 +70,11 @@ def _is_terminal(out: TextIO) -> bool:
 
 
 def _loader(ckpt: Checkpoint, backend: Backend, label: str, progress: bool, check_weights: bool,
-            quant: QuantScheme | None = None, quantize: str | None = None) -> WeightLoader:
+            quant: QuantScheme | None = None, quantize: str | None = None,
+            quantize_lm_head: bool = False) -> WeightLoader:
     total = sum(ckpt.info(n).nbytes for n in ckpt.names)
     return WeightLoader(ckpt, backend, progress=LoadProgress(label, total, progress), check_weights=check_weights,
-                        quant=quant, quantize=quantize)
+                        quant=quant, quantize=quantize, quantize_lm_head=quantize_lm_head)
 
 
 def kv_elements_per_position(target_cfg: TargetConfig, draft_cfg: DraftConfig | None, target_kv_heads: int) -> int:
@@ -96,21 +97,23 @@ class ModelRunner:
                  max_num_seqs: int = 64, memory_utilization: float = 0.9, progress: bool = False,
                  random_weights: bool = False, max_model_len: int | None = None, check_weights: bool = True,
                  target_quant: QuantScheme | None = None, quantize: str | None = None, quantize_draft: bool = False,
-                 tensor_parallel_size: int = 1, num_state_snapshots: int | None = None):
+                 quantize_lm_head: bool = False, tensor_parallel_size: int = 1,
+                 num_state_snapshots: int | None = None):
         self.backend, self.target_cfg, self.draft_cfg = backend, target_cfg, draft_cfg
         # The longest prompt + output served; positions reach a draft block (and one pending token) past it.
         self.max_model_len = max_model_len or target_cfg.max_position_embeddings
         seq_blocks = -(-(self.max_model_len + max_block_size + 1) // kv_block_size)
-        def loader(path: str, label: str, quant: QuantScheme | None, quantize: str | None
-                   ) -> WeightLoader | RandomWeights:
+        def loader(path: str, label: str, quant: QuantScheme | None, quantize: str | None,
+                   lm_head: bool = False) -> WeightLoader | RandomWeights:
             if random_weights:  # synthetic benchmarks: the shapes of a real model, values made on the device
                 return RandomWeights(backend, seed=len(label), untied=not target_cfg.tie_word_embeddings)
-            return _loader(Checkpoint(path), backend, label, progress, check_weights, quant, quantize)
+            return _loader(Checkpoint(path), backend, label, progress, check_weights, quant, quantize, lm_head)
 
         # Weight bytes per format, as stored and on the device (empty with random weights: bench.weight_bytes counts).
         self.weight_memory: dict[str, WeightMemory] = {}
         # A checkpoint already in block-scaled FP8 keeps its own choice of unquantized modules (LLM checks the rest).
-        target_loader = loader(target_cfg.path, "target", target_quant, None if target_quant else quantize)
+        target_loader = loader(target_cfg.path, "target", target_quant, None if target_quant else quantize,
+                               quantize_lm_head)
         if isinstance(target_loader, WeightLoader):  # nothing is uploaded yet
             self._keep_fp8_if_bf16_does_not_fit(target_loader.ckpt, target_cfg, draft_cfg, backend, target_quant,
                                                 quantize, memory_utilization, progress)

@@ -35,9 +35,9 @@ class _TrackingLoader(WeightLoader):
         self.memory = base.memory  # one account for the drafter's weights
         self.used = used
 
-    def read(self, name: str, shape: tuple[int, ...]) -> Any:
+    def read(self, name: str, shape: tuple[int, ...], quantize: bool | None = None) -> Any:
         self.used.add(self.prefix + name)
-        return super().read(name, shape)
+        return super().read(name, shape, quantize)
 
 
 class DraftCheckpoint:

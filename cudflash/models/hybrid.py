@@ -201,7 +201,8 @@ class HybridTargetModel:
                     o_proj=loader.get(a + "o_proj.weight", (H, hq * D)), **mlp))
         self.norm = norm(P + "norm.weight", H)  # [H], 1 + weight
         if cfg.tie_word_embeddings and not loader.has("lm_head.weight"):
-            self.lm_head = self.embed_tokens  # [V, H], tied
+            # [V, H], tied: the embedding (or its FP8 copy, quantize_lm_head)
+            self.lm_head = loader.tied_head(P + "embed_tokens.weight", self.embed_tokens, (cfg.vocab_size, H))
         else:
             self.lm_head = loader.get("lm_head.weight", (cfg.vocab_size, H))  # [V, H]
         self.rope_cos: Any = None  # [max_positions, D / 2] float32 (partial_rope_tables), set by set_rope

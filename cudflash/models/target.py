@@ -69,7 +69,8 @@ class TargetModel:
             ))
         self.norm = loader.get("model.norm.weight", (H,))  # [H]
         if cfg.tie_word_embeddings and not loader.has("lm_head.weight"):
-            self.lm_head = self.embed_tokens  # [V, H], tied
+            # [V, H], tied: the embedding (or its FP8 copy, quantize_lm_head)
+            self.lm_head = loader.tied_head("model.embed_tokens.weight", self.embed_tokens, (cfg.vocab_size, H))
         else:
             self.lm_head = loader.get("lm_head.weight", (cfg.vocab_size, H))  # [V, H]
         self._finish(D)

@@ -68,15 +68,16 @@ class WeightLoader:
 
     `quant`: the checkpoint's declared quantization (quant.read_quant_scheme); its quantized tensors load through
     Backend.load_quantized, every other tensor as it is stored. `quantize`: "fp8" turns the bf16 / f16 / f32 tensors
-    in QUANTIZE_SUFFIXES into 128x128 block-scaled FP8 as they are read (quantize_fp8_block)."""
+    in QUANTIZE_SUFFIXES into 128x128 block-scaled FP8 as they are read (quantize_fp8_block). `quantize_lm_head`:
+    the same for the LM head (`lm_head.weight`, or the tied head: `tied_head`), whatever `quantize` says."""
 
     def __init__(self, ckpt: Checkpoint, backend: Backend, prefix: str = "",
                  progress: Callable[[int], None] | None = None, check_weights: bool = True,
-                 quant: QuantScheme | None = None, quantize: str | None = None):
+                 quant: QuantScheme | None = None, quantize: str | None = None, quantize_lm_head: bool = False):
         self.ckpt, self.backend, self.prefix = ckpt, backend, prefix
         self.progress = progress  # called with the bytes of each tensor loaded
         self.check_weights = check_weights
-        self.quant, self.quantize = quant, quantize
+        self.quant, self.quantize, self.quantize_lm_head = quant, quantize, quantize_lm_head
         self.memory = WeightMemory()
 
     def has(self, name: str) -> bool:
@@ -84,6 +85,18 @@ class WeightLoader:
 
     def get(self, name: str, shape: tuple[int, ...]) -> Any:
         return self._upload(self.prefix + name, self.read(name, shape))
+
+    def tied_head(self, embed_name: str, embedding: Any, shape: tuple[int, int]) -> Any:
+        """The LM head of tied embeddings: the embedding itself, or with quantize_lm_head an FP8 copy of it (the
+        lookup keeps the stored rows)."""
+        if not self.quantize_lm_head:
+            return embedding
+        return self._upload(self.prefix + embed_name, self.read(embed_name, shape, quantize=True))
+
+    def _quantizes(self, name: str) -> bool:
+        """Whether `name`, read as stored in bf16 / f16 / f32, becomes block-scaled FP8 at load."""
+        return (self.quantize is not None and name.endswith(QUANTIZE_SUFFIXES)) or (
+            self.quantize_lm_head and name == "lm_head.weight")
 
     def get_slices(self, name: str, shape: tuple[int, ...], axis: int, ranges: list[range]) -> Any:
         """The tensor's indices `ranges` along `axis`, concatenated (a tensor-parallel rank's shard): checked
@@ -96,9 +109,11 @@ class WeightLoader:
         part = np.concatenate([np.take(raw, np.arange(r.start, r.stop), axis=axis) for r in ranges], axis=axis)
         return self._upload(self.prefix + name, (dtype, part))
 
-    def read(self, name: str, shape: tuple[int, ...]) -> QuantizedWeight | tuple[str, np.ndarray]:
+    def read(self, name: str, shape: tuple[int, ...], quantize: bool | None = None
+             ) -> QuantizedWeight | tuple[str, np.ndarray]:
         """The tensor as the backend will get it, checked against `shape` (logical: [N, K] for a packed weight):
-        a QuantizedWeight, or (safetensors dtype, read-only storage view)."""
+        a QuantizedWeight, or (safetensors dtype, read-only storage view). quantize: turn a stored bf16 / f16 / f32
+        matrix into block-scaled FP8 (default: as `quantize` says for its name)."""
         full = self.prefix + name
         if self.quant is not None or is_quantized(self.ckpt, full):
             qw = read_quantized(self.ckpt, full, shape, self.quant)
@@ -107,7 +122,7 @@ class WeightLoader:
                 return qw
         dtype, raw = self.ckpt.raw(full, shape)
         self._progress(raw.nbytes)
-        if self.quantize is not None and len(shape) == 2 and full.endswith(QUANTIZE_SUFFIXES):
+        if len(shape) == 2 and (self._quantizes(name) if quantize is None else quantize):
             w = bf16_bits_to_float32(raw) if dtype == "BF16" else raw.astype(np.float32)
             return quantize_fp8_block(w, source=f"{self.ckpt.info(full).file.name}: {full}, quantized at load")
         return dtype, raw
@@ -177,6 +192,9 @@ class RandomWeights:
 
     def has(self, name: str) -> bool:
         return name == "lm_head.weight" and self.untied
+
+    def tied_head(self, embed_name: str, embedding: Any, shape: tuple[int, int]) -> Any:
+        return embedding
 
     def get(self, name: str, shape: tuple[int, ...]) -> Any:
         self.count += 1

@@ -6,6 +6,10 @@ against what the checkpoints already are, before anything loads.
   checkpoint that is already block-scaled FP8 with 128x128 blocks (the Qwen -FP8 layout) it is a no-op: the
   release's codes, scales and unquantized modules are kept as they are. On any other quantized checkpoint it is
   refused: that would be dequantize-then-requantize, which changes a released model.
+- quantize_lm_head: the target's LM head (or, for tied embeddings, a copy of the embedding as the head, the embedding
+  itself staying as stored) becomes 128x128 block-scaled FP8 at load, on any target: every decode, verify and
+  propose step reads it (the drafter borrows it), 1.24 GB of bf16 at Qwen3-8B. Off by default: the releases keep
+  their heads in bf16, and the logits move by FP8 rounding (the tau change is measured in docs/quantization.md).
 - quantize_draft: the drafter gets the same conversion (default off: the drafter stays bf16; which is faster for the
   whole step is measured on the GPU, docs/quantization.md). Quantized drafter checkpoints are refused: none is
   released, and their layout would be a guess.
@@ -22,8 +26,13 @@ QUANTIZE_CHOICES = ("fp8",)  # quantize="nvfp4" at load would need the W4A16 ker
 
 
 def check_quantize(target: str | Path, draft: str | Path | None, quantize: object, quantize_draft: object,
-                   random_weights: bool) -> QuantScheme | None:
+                   random_weights: bool, quantize_lm_head: object = False) -> QuantScheme | None:
     """The target's own quantization (None: unquantized), after refusing choices that cannot be honoured."""
+    if not isinstance(quantize_lm_head, bool):
+        raise ConfigError(f"quantize_lm_head must be true or false, got {quantize_lm_head!r}")
+    if quantize_lm_head and random_weights:
+        raise ConfigError("quantize_lm_head with random weights is not supported: bench --synthetic --weights fp8 "
+                          "--quantize-lm-head makes an FP8 head on the device")
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
         raise ConfigError(f"quantize must be one of {', '.join(map(repr, QUANTIZE_CHOICES))} or None, got "
                           f"{quantize!r}")
