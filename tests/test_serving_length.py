@@ -64,3 +64,24 @@ def test_memory_budget_bounds_the_serving_length(pair, monkeypatch):
     assert llm.runner.blocks.num_blocks == 5 and rows(llm) == (80 + 4 + 1, 80 + 4 + 1)
     with pytest.raises(BackendError, match="too little memory"):
         LLM(*pair, backend="cpu", max_model_len=128)
+
+
+def test_a_large_step_budget_takes_its_activations_from_the_kv_pool(pair, monkeypatch):
+    """A backend with a fixed activation reserve (CUDA: 2 GiB) gives the KV pool what is left after the activations
+    of a step of max_num_batched_tokens rows beyond that reserve: a prefill of 32 prompts x 2048 tokens at once ran
+    out of memory on the H200 with the pool sized as for 8192 rows."""
+    from cudflash.backends.numpy_backend import NumpyBackend
+    from cudflash.engine.model_runner import step_activation_bytes
+
+    per_block = 16 * 2 * (SHAPE.num_layers + SHAPE.draft_layers) * SHAPE.num_kv_heads * SHAPE.head_dim * 4
+    monkeypatch.setattr(NumpyBackend, "memory_budget", lambda self, utilization: 30 * per_block)
+    small = LLM(*pair, backend="cpu", max_num_seqs=4, max_num_batched_tokens=16)
+    assert small.runner.blocks.num_blocks == 30  # no reserve declared (the numpy backend): the whole budget
+    monkeypatch.setattr(NumpyBackend, "activation_reserve", 0, raising=False)
+    tokens = 64
+    act = step_activation_bytes(small.target_cfg, tokens)
+    assert act == tokens * (10 * SHAPE.intermediate_size + 24 * SHAPE.hidden_size)
+    big = LLM(*pair, backend="cpu", max_num_seqs=4, max_num_batched_tokens=tokens)
+    assert big.runner.blocks.num_blocks == (30 * per_block - act) // per_block < 30
+    monkeypatch.setattr(NumpyBackend, "activation_reserve", act, raising=False)  # covered by the reserve
+    assert LLM(*pair, backend="cpu", max_num_seqs=4, max_num_batched_tokens=tokens).runner.blocks.num_blocks == 30

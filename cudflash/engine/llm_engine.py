@@ -121,7 +121,8 @@ class LLM:
                                   progress=progress, random_weights=random_weights, max_model_len=max_model_len,
                                   check_weights=check_weights, target_quant=self.target_quant,
                                   quantize=quantize, quantize_draft=quantize_draft,
-                                  quantize_lm_head=quantize_lm_head, tensor_parallel_size=check_tensor_parallel(tensor_parallel_size, self.backend),
+                                  quantize_lm_head=quantize_lm_head, max_num_batched_tokens=max_num_batched_tokens,
+                                  tensor_parallel_size=check_tensor_parallel(tensor_parallel_size, self.backend),
                                   num_state_snapshots=num_state_snapshots)
         self.runner.blocks.enable_prefix_caching = enable_prefix_caching
         proposer = make_proposer(self.runner, self.draft_options) if self.runner.draft is not None else None

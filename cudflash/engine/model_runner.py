@@ -77,6 +77,19 @@ def _loader(ckpt: Checkpoint, backend: Backend, label: str, progress: bool, chec
                         quant=quant, quantize=quantize, quantize_lm_head=quantize_lm_head)
 
 
+def step_activation_bytes(cfg: TargetConfig, tokens: int) -> int:
+    """An upper estimate of the device memory one step of `tokens` rows (a prefill of max_num_batched_tokens) holds
+    at once beside the weights and caches, per row: the MLP's float32 gate_up output and bf16 SwiGLU (10 I bytes),
+    about six float32 or bf16 hidden-wide rows (the residual stream, norms, projections, the drafter's taps: 24 H),
+    and for a hybrid the GDN layer's in_proj output and conv channels (4 conv_dim + 4 value_dim). At 8192 rows this
+    is what a backend's fixed activation reserve covers (1.8 GB at Qwen3-8B); 32 prompts of 2048 rows at
+    Qwen3.5-9B need ~17 GB (its gate_up output alone is 6.4 GB)."""
+    per_row = 10 * cfg.intermediate_size + 24 * cfg.hidden_size
+    if cfg.hybrid is not None:
+        per_row += 4 * (cfg.hybrid.conv_dim + cfg.hybrid.value_dim)
+    return tokens * per_row
+
+
 def kv_elements_per_position(target_cfg: TargetConfig, draft_cfg: DraftConfig | None, target_kv_heads: int) -> int:
     """K and V elements one cached position takes over the target's attention layers (a hybrid's GDN layers hold no
     KV) and the drafter's layers."""
@@ -98,7 +111,7 @@ class ModelRunner:
                  random_weights: bool = False, max_model_len: int | None = None, check_weights: bool = True,
                  target_quant: QuantScheme | None = None, quantize: str | None = None, quantize_draft: bool = False,
                  quantize_lm_head: bool = False, tensor_parallel_size: int = 1,
-                 num_state_snapshots: int | None = None):
+                 num_state_snapshots: int | None = None, max_num_batched_tokens: int = 8192):
         self.backend, self.target_cfg, self.draft_cfg = backend, target_cfg, draft_cfg
         # The longest prompt + output served; positions reach a draft block (and one pending token) past it.
         self.max_model_len = max_model_len or target_cfg.max_position_embeddings
@@ -152,7 +165,11 @@ class ModelRunner:
                   file=sys.stderr, flush=True)
         if num_kv_blocks is None:
             wanted = max_num_seqs * seq_blocks
-            budget = int((backend.memory_budget(memory_utilization) - state_bytes) // bytes_per_block)
+            # A backend that keeps a fixed reserve for activations (CUDA) gets the rest of what a step of
+            # max_num_batched_tokens rows needs beyond it, or a large prefill step would run out of memory.
+            reserve = getattr(backend, "activation_reserve", None)
+            extra = 0 if reserve is None else max(0, step_activation_bytes(t, max_num_batched_tokens) - reserve)
+            budget = int((backend.memory_budget(memory_utilization) - state_bytes - extra) // bytes_per_block)
             # A max_model_len asked for must fit whole; else sequences are as long as the pool allows.
             if budget < (seq_blocks if max_model_len else -(-(max_block_size + 3) // kv_block_size)):
                 states = f" after {state_bytes / 2**20:.1f} MiB of GDN states" if state_bytes else ""
