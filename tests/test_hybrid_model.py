@@ -197,3 +197,21 @@ def test_model_equals_a_direct_transcription_of_the_reference(tmp_path, tied):
     got, _, _ = OneSequence(model, 80).run(ids, "prefill")
     assert np.abs(want).max() > 1.0
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=5e-4)  # float32 against float64: ~1e-4 apart
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_quantize_lm_head_on_a_hybrid_converts_the_head_alone(tmp_path, tied):
+    """A hybrid's LM head (under model.language_model for a tied one) in block-scaled FP8: the exact dequantized
+    values, the embedding kept as stored."""
+    from cudflash import LLM
+    from cudflash.checkpoint import Checkpoint
+    from cudflash.quant import dequantize, quantize_fp8_block
+
+    d = write_hybrid_target(tmp_path / "t", HybridShape(checkpoint_class="conditional", tie_word_embeddings=tied),
+                            seed=4)
+    ck = Checkpoint(d)
+    head = "model.language_model.embed_tokens.weight" if tied else "lm_head.weight"
+    t = LLM(d, backend="cpu", quantize_lm_head=True).runner.target
+    plain = LLM(d, backend="cpu").runner.target
+    assert np.array_equal(t.lm_head, dequantize(quantize_fp8_block(ck.float32(head))))
+    assert not np.array_equal(t.lm_head, plain.lm_head) and np.array_equal(t.embed_tokens, plain.embed_tokens)
