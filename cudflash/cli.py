@@ -163,7 +163,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(backend=args.backend, block_size=args.block_size, draft_options=options,
                 max_num_seqs=args.max_num_seqs, memory_utilization=args.gpu_memory_utilization,
                 enforce_eager=args.enforce_eager, quantize=args.quantize, quantize_draft=args.quantize_draft,
-                quantize_lm_head=args.quantize_lm_head, tensor_parallel_size=args.tensor_parallel_size, num_state_snapshots=args.num_state_snapshots)
+                quantize_lm_head=args.quantize_lm_head, tensor_parallel_size=args.tensor_parallel_size,
+                num_state_snapshots=args.num_state_snapshots)
 
 
 def add_generate_arguments(g: argparse.ArgumentParser) -> None:

@@ -309,6 +309,12 @@ def test_quantize_choices_are_checked(tmp_path):
         LLM(target, backend="cpu", quantize="int4")
     with pytest.raises(ConfigError, match="quantize_draft needs quantize"):
         LLM(target, backend="cpu", quantize_draft=True)
+    with pytest.raises(ConfigError, match="quantize_lm_head must be true or false"):
+        LLM(target, backend="cpu", quantize_lm_head="yes")
+    with pytest.raises(ConfigError, match="quantize_lm_head with random weights"):
+        LLM(target, backend="cpu", random_weights=True, quantize_lm_head=True)
+    with pytest.raises(ConfigError, match="quantize_lm_head with tensor parallelism"):
+        LLM(target, backend="cpu", quantize_lm_head=True, tensor_parallel_size=2)
     nvfp4, _ = _write(tmp_path, "n", "modelopt_nvfp4", ODD)
     with pytest.raises(ConfigError, match="already quantized as nvfp4.*requantizing"):
         LLM(nvfp4, backend="cpu", quantize="fp8")
@@ -346,17 +352,6 @@ def test_quantize_lm_head_converts_the_head_alone(tmp_path, tied):
     spec = llm.generate(prompts, params)
     ar = LLM(target, **kw).generate(prompts, params)
     assert [r.token_ids for r in spec] == [r.token_ids for r in ar] and all(r.acceptance_lengths for r in spec)
-
-
-def test_quantize_lm_head_choices_are_checked(tmp_path):
-    tensors, config = _target(tmp_path, ODD)
-    target = write_model(tmp_path / "t", config, tensors)
-    with pytest.raises(ConfigError, match="quantize_lm_head must be true or false"):
-        LLM(target, backend="cpu", quantize_lm_head="yes")
-    with pytest.raises(ConfigError, match="quantize_lm_head with random weights"):
-        LLM(target, backend="cpu", random_weights=True, quantize_lm_head=True)
-    with pytest.raises(ConfigError, match="quantize_lm_head with tensor parallelism"):
-        LLM(target, backend="cpu", quantize_lm_head=True, tensor_parallel_size=2)
 
 
 # ---- refusals

@@ -77,11 +77,11 @@ def test_a_large_step_budget_takes_its_activations_from_the_kv_pool(pair, monkey
     monkeypatch.setattr(NumpyBackend, "memory_budget", lambda self, utilization: 30 * per_block)
     small = LLM(*pair, backend="cpu", max_num_seqs=4, max_num_batched_tokens=16)
     assert small.runner.blocks.num_blocks == 30  # no reserve declared (the numpy backend): the whole budget
-    monkeypatch.setattr(NumpyBackend, "activation_reserve", 0, raising=False)
+    monkeypatch.setattr(NumpyBackend, "activation_reserve", 0)
     tokens = 64
     act = step_activation_bytes(small.target_cfg, tokens)
     assert act == tokens * (10 * SHAPE.intermediate_size + 24 * SHAPE.hidden_size)
     big = LLM(*pair, backend="cpu", max_num_seqs=4, max_num_batched_tokens=tokens)
     assert big.runner.blocks.num_blocks == (30 * per_block - act) // per_block < 30
-    monkeypatch.setattr(NumpyBackend, "activation_reserve", act, raising=False)  # covered by the reserve
+    monkeypatch.setattr(NumpyBackend, "activation_reserve", act)  # covered by the reserve
     assert LLM(*pair, backend="cpu", max_num_seqs=4, max_num_batched_tokens=tokens).runner.blocks.num_blocks == 30

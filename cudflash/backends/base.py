@@ -70,6 +70,8 @@ DEFERRED_READERS = frozenset({"linear", "swiglu"})  # the ops that accept a Defe
 class Backend(Protocol):
     name: str
     act_itemsize: int  # bytes per activation / weight / KV element
+    # Bytes memory_budget already leaves free for one step's activations (None: they are not budgeted, host memory).
+    activation_reserve: int | None
 
     def memory_budget(self, utilization: float) -> int: ...  # bytes the KV cache may take
 

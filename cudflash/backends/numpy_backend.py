@@ -22,6 +22,7 @@ from cudflash.quant.weight import QuantizedWeight, dequantize
 class NumpyBackend:
     name = "cpu"
     act_itemsize = 4
+    activation_reserve = None  # host memory: a step's activations are not taken from the KV budget
 
     def memory_budget(self, utilization: float) -> int:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -82,10 +82,7 @@ class LLM:
         self.draft_cfg = load_draft_config(draft) if draft is not None else None
         # The target's quantized format (None: unquantized) and the quantize choices, checked (quant/options.py).
         self.target_quant = check_quantize(target, draft, quantize, quantize_draft, random_weights,
-                                          quantize_lm_head)
-        if quantize_lm_head and tensor_parallel_size != 1:
-            raise ConfigError("quantize_lm_head with tensor parallelism is not supported yet (a rank's vocabulary "
-                              "slice of the head would need its own scales)")
+                                          quantize_lm_head, tensor_parallel_size)
         # Drafting choices (DraftOptions: drafter windows, DSpark cuts, draft trees): lossless, off by default.
         self.draft_options = DraftOptions(**draft_options) if isinstance(draft_options, dict) else draft_options
         if self.draft_options is not None and self.draft_cfg is None:

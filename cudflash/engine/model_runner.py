@@ -167,7 +167,7 @@ class ModelRunner:
             wanted = max_num_seqs * seq_blocks
             # A backend that keeps a fixed reserve for activations (CUDA) gets the rest of what a step of
             # max_num_batched_tokens rows needs beyond it, or a large prefill step would run out of memory.
-            reserve = getattr(backend, "activation_reserve", None)
+            reserve = backend.activation_reserve
             extra = 0 if reserve is None else max(0, step_activation_bytes(t, max_num_batched_tokens) - reserve)
             budget = int((backend.memory_budget(memory_utilization) - state_bytes - extra) // bytes_per_block)
             # A max_model_len asked for must fit whole; else sequences are as long as the pool allows.

@@ -29,7 +29,7 @@ from cudflash.checkpoint import Checkpoint
 from cudflash.config import TargetConfig
 from cudflash.hybrid_config import LINEAR
 from cudflash.models.batch import ForwardBatch, KVCache
-from cudflash.models.weights import RandomWeights, WeightLoader
+from cudflash.models.weights import RandomWeights, WeightLoader, lm_head
 from cudflash.rope import partial_rope_tables, partial_rotary_order
 
 MODES = ("prefill", "decode", "verify")  # chunked + commit | recurrent + commit | recurrent, pools untouched
@@ -200,11 +200,8 @@ class HybridTargetModel:
                     q_norm=norm(a + "q_norm.weight", D, order), k_norm=norm(a + "k_norm.weight", D, order),
                     o_proj=loader.get(a + "o_proj.weight", (H, hq * D)), **mlp))
         self.norm = norm(P + "norm.weight", H)  # [H], 1 + weight
-        if cfg.tie_word_embeddings and not loader.has("lm_head.weight"):
-            # [V, H], tied: the embedding (or its FP8 copy, quantize_lm_head)
-            self.lm_head = loader.tied_head(P + "embed_tokens.weight", self.embed_tokens, (cfg.vocab_size, H))
-        else:
-            self.lm_head = loader.get("lm_head.weight", (cfg.vocab_size, H))  # [V, H]
+        self.lm_head = lm_head(loader, cfg.tie_word_embeddings, P + "embed_tokens.weight", self.embed_tokens,
+                               (cfg.vocab_size, H))  # [V, H]
         self.rope_cos: Any = None  # [max_positions, D / 2] float32 (partial_rope_tables), set by set_rope
         self.rope_sin: Any = None
         self.scale = D ** -0.5

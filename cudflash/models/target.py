@@ -12,7 +12,7 @@ from typing import Any
 from cudflash.backends.base import Backend
 from cudflash.config import TargetConfig
 from cudflash.models.batch import ForwardBatch, KVCache
-from cudflash.models.weights import RandomWeights, WeightLoader
+from cudflash.models.weights import RandomWeights, WeightLoader, lm_head
 from cudflash.parallel.comm import Communicator
 from cudflash.parallel.config import TensorParallel, rows_of_heads
 
@@ -68,11 +68,8 @@ class TargetModel:
                 down=loader.get(p + "mlp.down_proj.weight", (H, I)),
             ))
         self.norm = loader.get("model.norm.weight", (H,))  # [H]
-        if cfg.tie_word_embeddings and not loader.has("lm_head.weight"):
-            # [V, H], tied: the embedding (or its FP8 copy, quantize_lm_head)
-            self.lm_head = loader.tied_head("model.embed_tokens.weight", self.embed_tokens, (cfg.vocab_size, H))
-        else:
-            self.lm_head = loader.get("lm_head.weight", (cfg.vocab_size, H))  # [V, H]
+        self.lm_head = lm_head(loader, cfg.tie_word_embeddings, "model.embed_tokens.weight", self.embed_tokens,
+                               (cfg.vocab_size, H))  # [V, H]
         self._finish(D)
 
     def _finish(self, head_dim: int) -> None:

@@ -183,6 +183,15 @@ class WeightLoader:
         return self.backend.gate_up_weight(self.get(gate, shape), self.get(up, shape))
 
 
+def lm_head(loader: WeightLoader | RandomWeights, tied: bool, embed_name: str, embedding: Any,
+            shape: tuple[int, int]) -> Any:
+    """A target's LM head [V, H]: `lm_head.weight` unless the embeddings are tied and the checkpoint has none, then
+    the embedding itself (or its FP8 copy: quantize_lm_head, the loader's tied_head)."""
+    if tied and not loader.has("lm_head.weight"):
+        return loader.tied_head(embed_name, embedding, shape)
+    return loader.get("lm_head.weight", shape)
+
+
 class RandomWeights:
     """The WeightLoader interface over random values: matrices ~ N(0, std^2), vectors (norms, biases) ~ 1."""
 

@@ -26,13 +26,17 @@ QUANTIZE_CHOICES = ("fp8",)  # quantize="nvfp4" at load would need the W4A16 ker
 
 
 def check_quantize(target: str | Path, draft: str | Path | None, quantize: object, quantize_draft: object,
-                   random_weights: bool, quantize_lm_head: object = False) -> QuantScheme | None:
+                   random_weights: bool, quantize_lm_head: object = False,
+                   tensor_parallel_size: int = 1) -> QuantScheme | None:
     """The target's own quantization (None: unquantized), after refusing choices that cannot be honoured."""
     if not isinstance(quantize_lm_head, bool):
         raise ConfigError(f"quantize_lm_head must be true or false, got {quantize_lm_head!r}")
     if quantize_lm_head and random_weights:
         raise ConfigError("quantize_lm_head with random weights is not supported: bench --synthetic --weights fp8 "
                           "--quantize-lm-head makes an FP8 head on the device")
+    if quantize_lm_head and tensor_parallel_size != 1:
+        raise ConfigError("quantize_lm_head with tensor parallelism is not supported yet (a rank's vocabulary "
+                          "slice of the head would need its own scales)")
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
         raise ConfigError(f"quantize must be one of {', '.join(map(repr, QUANTIZE_CHOICES))} or None, got "
                           f"{quantize!r}")
