@@ -347,23 +347,26 @@ def format_table(results: list[BatchResult], copy_gb_s: float | None) -> str:
     return "\n".join(lines)
 
 
-def synthetic_fp8(target: Any, backend: Any, std: float = 0.02, lm_head: bool = False) -> None:
-    """Replace the synthetic target's linear weights (every layer's qkv, o_proj, gate_up, down) by FP8 weights of the
-    same shapes made on the device (fp8_weight.random_fp8), as quantize="fp8" would hold them; the embedding stays
-    bf16, and so does the LM head (as in the Qwen -FP8 releases) unless `lm_head` (quantize_lm_head: an FP8 head
-    beside a tied embedding too). Before the first step, so every captured graph reads them."""
+def synthetic_quantized(target: Any, backend: Any, weights: str, std: float = 0.02, lm_head: bool = False) -> None:
+    """Replace the synthetic target's linear weights (every layer's qkv, o_proj, gate_up, down) by FP8 or NVFP4
+    weights (`weights`) of the same shapes made on the device (fp8_weight.random_fp8, fp4_weight.random_fp4), as an
+    FP8 / NVFP4 checkpoint kept on the device holds them; the embedding stays bf16, and so does the LM head (as in
+    the Qwen -FP8 releases) unless `lm_head` (quantize_lm_head: a head in that format beside a tied embedding too).
+    Before the first step, so every captured graph reads them."""
     if backend.name != "cuda":
-        raise BackendError("bench --weights fp8 needs the cuda backend (the weights are made on the device)")
+        raise BackendError(f"bench --weights {weights} needs the cuda backend (the weights are made on the device)")
     if any(not hasattr(layer, "qkv") for layer in target.layers):
-        raise BackendError("bench --weights fp8 replaces a dense target's projections; a hybrid target's GDN and "
-                           "gated-attention layers have others (use --weights bf16)")
+        raise BackendError(f"bench --weights {weights} replaces a dense target's projections; a hybrid target's GDN "
+                           f"and gated-attention layers have others (use --weights bf16)")
+    from cudflash.backends.fp4_weight import random_fp4
     from cudflash.backends.fp8_weight import random_fp8
 
+    make = {"fp8": random_fp8, "nvfp4": random_fp4}[weights]
     for i, layer in enumerate(target.layers):
         for j, name in enumerate(("qkv", "o_proj", "gate_up", "down")):
-            setattr(layer, name, random_fp8(getattr(layer, name).shape, std, seed=1000 + 4 * i + j))
+            setattr(layer, name, make(getattr(layer, name).shape, std, seed=1000 + 4 * i + j))
     if lm_head:
-        target.lm_head = random_fp8(target.lm_head.shape, std, seed=999)
+        target.lm_head = make(target.lm_head.shape, std, seed=999)
 
 
 @dataclass(frozen=True, slots=True)
@@ -457,8 +460,8 @@ def run_bench(args, tuning: CudaTuning | None = None) -> str:
               quantize=getattr(args, "quantize", None), quantize_draft=getattr(args, "quantize_draft", False),
               quantize_lm_head=getattr(args, "quantize_lm_head", False) and not synthetic)
     weights = getattr(args, "weights", "bf16")
-    if weights == "fp8":
-        synthetic_fp8(llm.runner.target, llm.backend, lm_head=getattr(args, "quantize_lm_head", False))
+    if weights != "bf16":
+        synthetic_quantized(llm.runner.target, llm.backend, weights, lm_head=getattr(args, "quantize_lm_head", False))
     memory = weight_memory(llm)
     copy = copy_bandwidth_gb_s(llm.backend)
     report: dict[str, Any] = {"backend": llm.backend.name, "model": args.synthetic or str(target),

@@ -222,10 +222,11 @@ def add_bench_arguments(bench: argparse.ArgumentParser) -> None:
                        help="speculative steps verify a draft tree of N nodes (engine/tree.py) instead of the block")
     bench.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (op by op on the GPU)")
     _add_quantize_arguments(bench)
-    bench.add_argument("--weights", choices=["bf16", "fp8"], default="bf16",
+    bench.add_argument("--weights", choices=["bf16", "fp8", "nvfp4"], default="bf16",
                        help="with --synthetic: the format of the target's linear weights (fp8: E4M3 codes with "
-                            "128x128 block scales, made on the device; the embeddings stay bf16, the LM head too "
-                            "unless --quantize-lm-head)")
+                            "128x128 block scales; nvfp4: E2M1 codes with an E4M3 scale per 16 and a global scale; "
+                            "made on the device; the embeddings stay bf16, the LM head too unless "
+                            "--quantize-lm-head)")
     bench.add_argument("--prefill-only", action="store_true",
                        help="time the prefill of each batch of prompts (tokens/s) and no decode steps")
     bench.add_argument("--json", type=Path, metavar="FILE", help="write the numbers as JSON too")
@@ -243,8 +244,8 @@ def run_bench_command(args: argparse.Namespace) -> None:
         raise RequestError("bench --weights picks the format of --synthetic weights; a checkpoint brings its own "
                            "(or --quantize fp8)")
     if args.quantize_lm_head and args.synthetic is not None and args.weights == "bf16":
-        raise RequestError("bench --quantize-lm-head with --synthetic goes with --weights fp8 (the FP8 weights are "
-                           "made on the device)")
+        raise RequestError("bench --quantize-lm-head with --synthetic goes with --weights fp8 or nvfp4 (the "
+                           "quantized weights are made on the device)")
     if args.weights != "bf16" and args.backend == "cpu":
         raise RequestError(f"bench --weights {args.weights} needs the cuda backend (the weights are made on the device)")
     if args.json is not None and not args.json.parent.is_dir():

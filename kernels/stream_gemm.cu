@@ -77,7 +77,19 @@
 // 8 + 2c, 9 + 2c <- 4c + 1, 4c + 3), and each lane reads x's 4 columns 4c .. 4c + 3 (8 bytes) and permutes them the
 // same way: a dot product is a sum over k in any order of the same products. NaN codes (0x7F, 0xFF) are not decoded
 // as NaN (the loader refuses non-finite weights before they get here).
+//
+// NVFP4 weights (W4, W4A16): w [N, K] is E2M1 codes, 8 per 32-bit word, with one E4M3 scale per 16 columns and a
+// float32 global scale per row, in the device layout of w4_layout.py (nvfp4.cuh decodes it). The weight's tensor
+// map is uint8 over [N, K / 2] with boxes of [16 T rows][128 bytes] (256 columns), a second map (smap) brings the
+// scale bytes [N, K / 16] in boxes of [16 T][KT / 16]; a stage is KT = 512 columns, two code boxes and one scale
+// box (the same code bytes per stage as W8's), eight compute warps of 64 columns each. Per tile a warp's ldmatrix.x4
+// gives each lane one word per row g / g + 8 and 32-column chunk: columns 8 c .. 8 c + 7, the same columns of x as
+// one 16-byte read (no permutation: the MMA's k index 2 c, 2 c + 1 <- column 8 c, 8 c + 1, 2 c + 8, 9 + 2 c <-
+// 8 c + 2, 8 c + 3, and 8 c + 4 .. for the chunk's second step). Each decoded pair is multiplied (bf16, exactly) by
+// its scale, so the MMA takes code * scale * 2^-7 as it is; the two chunks are two accumulator chains, added at the
+// block's end, where warp 0 multiplies each row's float32 sum by its global scale * 2^7.
 #include "mma.cuh"
+#include "nvfp4.cuh"
 
 #define SG_PLAIN 0
 #define SG_ADD_NORM 1
@@ -125,10 +137,12 @@ __device__ __forceinline__ void tma_load(unsigned dst, const TensorMap& map, int
                  : "memory");
 }
 // The FP8 weight's scales (W8; unused, null, for bf16 weights).
+// W4: only gscale (the scale bytes come by the tensor map smap).
 struct WeightScales {
-    const float* scale;  // [S][cols] float32
-    const int* rows;     // [N] int32: scale row of each weight row
-    int cols;            // scale columns: ceil(K / SG_W8_BLOCK)
+    const float* scale;   // W8: [S][cols] float32
+    const int* rows;      // W8: [N] int32: scale row of each weight row
+    int cols;             // W8: scale columns: ceil(K / SG_W8_BLOCK)
+    const float* gscale;  // W4: [N] float32, each row's global scale * 2^7
 };
 // Four E4M3 codes (bytes b0..b3 of r) -> bf16 pairs lo = (b0, b2), hi = (b1, b3), each the code's value times 2^-120
 // exactly: with a code in the high byte of a 16-bit half, (h & 0x8000) | ((h & 0x7F00) >> 4) is the bf16 whose
@@ -170,30 +184,38 @@ __device__ __forceinline__ void store_y(bf16* p, float v) { *p = __float2bfloat1
 // eight rows hit eight different banks); XRES: then x's M rows of K bf16, XROW = 2 K + 16 bytes apart (W8: + 32, so
 // the eight-byte reads of eight rows g at 8 c hit distinct banks); then the partials red[CW - 1][T][NT][4][32] float32;
 // then full[stages], empty[stages] and (XRES) the x barrier; W8: then, 16 bytes past the x barrier's slot, the
-// staged scales scs[stages][2][16 T] float32 ([stage][scale column of the stage][row of the block]). stream_gemm.py
-// computes the same size.
+// staged scales scs[stages][2][16 T] float32 ([stage][scale column of the stage][row of the block]). W4: a stage is
+// [2 code boxes of 16 T x 128 bytes][x boxes unless XRES][scale box 16 T x KT / 16 bytes], rounded up to 1024
+// bytes, and resident rows are XROW = 2 K + 64 apart (16-byte reads of rows g and g + 1 in distinct banks).
+// stream_gemm.py computes the same size.
 // XRES: xmap is no tensor map but {x's address, its row stride in bytes} in its first two words.
-template <int T, int NT, int KT, typename Y, int EPI, bool XRES, bool W8, int CW>
+template <int T, int NT, int KT, typename Y, int EPI, bool XRES, int WB, int CW>
 __global__ void __launch_bounds__(32 * (CW + 1))
 stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap, Y* __restrict__ y,
             int M, int N, int K, int stages, int prefill, const __grid_constant__ Epilogue epi,
-            const __grid_constant__ WeightScales wsc) {
+            const __grid_constant__ WeightScales wsc, const __grid_constant__ TensorMap smap) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     pdl_launch_dependents();
     static_assert(!XRES || NT == 1, "resident x rows are addressed for one token tile");
     static_assert(CW == 4 || CW == 8, "four or eight compute warps");
+    constexpr bool W8 = WB == 8, W4 = WB == 4;  // the weight's bits per element (16: bf16)
+    static_assert(WB == 16 || W8 || W4, "bf16, FP8 or NVFP4 weights");
     static_assert(!W8 || (KT == 256 && SG_W8_BLOCK % (KT / CW) == 0), "a warp's columns of a stage lie in one scale block");
+    static_assert(!W4 || (KT == 512 && CW == 8), "W4: a warp's 64 columns of a stage are one ldmatrix.x4 per tile");
+    constexpr bool COUNTED = W8 || W4;  // ring positions counted, not divided (below)
     constexpr int WCOLS = KT / CW;  // stage columns of one compute warp: [warp WCOLS, + WCOLS)
     constexpr int BOXES = KT / 64;                     // x boxes per stage (and bf16 weight boxes)
-    constexpr int WBOXES = W8 ? KT / 128 : BOXES;      // weight boxes per stage
+    constexpr int WBOXES = W4 ? KT / 256 : W8 ? KT / 128 : BOXES;  // weight boxes per stage (128 bytes of a row each)
     constexpr int WBOX = 16 * T * 128, XBOX = 16 * 128;  // bytes
-    constexpr int STAGE = WBOXES * WBOX + (XRES ? 0 : BOXES * XBOX);
+    constexpr int SBOX = W4 ? 16 * T * (KT / 16) : 0;    // W4: the stage's scale bytes, [16 T rows][KT / 16]
+    constexpr int STAGE_TX = WBOXES * WBOX + (XRES ? 0 : BOXES * XBOX) + SBOX;  // bytes the copies bring
+    constexpr int STAGE = (STAGE_TX + 1023) & ~1023;  // stages 1024-byte aligned (the swizzle's boxes)
     constexpr int NACC = T * NT * 4;  // accumulators per lane
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const unsigned raw = smem_addr(smem_raw);
     const unsigned ring = (raw + 1023) & ~1023u;
     unsigned char* smem = smem_raw + (ring - raw);
-    const unsigned xs = ring + stages * STAGE, xrow = 2 * K + (W8 ? 32 : 16);  // XRES: x's rows
+    const unsigned xs = ring + stages * STAGE, xrow = 2 * K + (W4 ? 64 : W8 ? 32 : 16);  // XRES: x's rows
     float* red = reinterpret_cast<float*>(smem + (size_t)stages * STAGE + (XRES ? M * xrow : 0));  // [CW-1][NACC][32]
     const unsigned full0 = smem_addr(red + (CW - 1) * NACC * 32), empty0 = full0 + 8 * stages, xbar = empty0 + 8 * stages;
     const unsigned scs = xbar + 16;  // W8: the staged scales scs[stages][2][16 T]
@@ -224,10 +246,13 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
         auto copy_w = [&](int s, int kt, int blk) {
             if (W8 && lane != 0) return;
             const int row0 = (blockIdx.x + blk * gridDim.x) * 16 * T, k0 = kt * KT;
-            mbar_expect_tx(full0 + 8 * s, STAGE);
+            mbar_expect_tx(full0 + 8 * s, STAGE_TX);
 #pragma unroll
             for (int b = 0; b < WBOXES; ++b)
-                tma_load(ring + s * STAGE + b * WBOX, wmap, k0 + (W8 ? 128 : 64) * b, row0, full0 + 8 * s, evict_first);
+                tma_load(ring + s * STAGE + b * WBOX, wmap, (W4 ? k0 / 2 : k0) + (W4 || W8 ? 128 : 64) * b, row0,
+                         full0 + 8 * s, evict_first);
+            if constexpr (W4)
+                tma_load(ring + s * STAGE + STAGE_TX - SBOX, smap, k0 / 16, row0, full0 + 8 * s, evict_first);
         };
         auto copy_x = [&](int s, int kt) {
             if (W8 && lane != 0) return;
@@ -285,14 +310,14 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
         } else {
             for (int i = 0; i < ahead; ++i) copy_x(i % stages, i % ktiles);
         }
-        if constexpr (W8) {
+        if constexpr (COUNTED) {
             // Counted, not divided, as in the compute warps' loop (this warp shares a scheduler with compute warp 0).
             int s = ahead % stages, phase = (ahead / stages + 1) & 1, kt = ahead % ktiles, blk = ahead / ktiles;
             for (int i = ahead; i < total; ++i) {
                 mbar_wait(empty0 + 8 * s, phase);  // the slot's previous round was read
                 copy_w(s, kt, blk);
                 if constexpr (!XRES) copy_x(s, kt);
-                copy_s(s, kt, blk);
+                if constexpr (W8) copy_s(s, kt, blk);
                 if (++s == stages) s = 0, phase ^= 1;
                 if (++kt == ktiles) kt = 0, ++blk;
             }
@@ -327,12 +352,15 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
         for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
         if (j == 0 && (CW == 4 || m < SG_MAX_ROWS)) row_scale[m] = rsqrtf(sum / (float)epi.width + epi.eps);  // read after the block's bar.sync
     }
-    float acc[T][NT][4];
+    float acc[T][NT][4], acc4[W4 ? T : 1][NT][4];  // W4: acc4 the second chain (columns 32..63 of a warp's)
     auto zero = [&]() {
 #pragma unroll
         for (int t = 0; t < T; ++t)
 #pragma unroll
-            for (int n = 0; n < NT; ++n) acc[t][n][0] = acc[t][n][1] = acc[t][n][2] = acc[t][n][3] = 0.f;
+            for (int n = 0; n < NT; ++n) {
+                acc[t][n][0] = acc[t][n][1] = acc[t][n][2] = acc[t][n][3] = 0.f;
+                if constexpr (W4) acc4[t][n][0] = acc4[t][n][1] = acc4[t][n][2] = acc4[t][n][3] = 0.f;
+            }
     };
     zero();
     // ldmatrix rows: A lane -> weight row (lane & 15) of a 16-row tile, 8 columns further for lanes >= 16; B lane
@@ -367,13 +395,13 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     // are divided where they are used (kt(), blk()).
     int ring_s = 0, ring_phase = 0, ring_kt = 0, ring_blk = 0;
     for (int i = 0; i < total; ++i) {
-        if constexpr (W8) if (i > 0) {
+        if constexpr (COUNTED) if (i > 0) {
             if (++ring_s == stages) ring_s = 0, ring_phase ^= 1;
             if (++ring_kt == ktiles) ring_kt = 0, ++ring_blk;
         }
-        auto kt = [&]() { return W8 ? ring_kt : i % ktiles; };
-        auto blk = [&]() { return W8 ? ring_blk : i / ktiles; };
-        const int s = W8 ? ring_s : i % stages;
+        auto kt = [&]() { return COUNTED ? ring_kt : i % ktiles; };
+        auto blk = [&]() { return COUNTED ? ring_blk : i / ktiles; };
+        const int s = COUNTED ? ring_s : i % stages;
         float sc0[W8 ? T : 1][2];  // W8: this stage's scale of each of the lane's rows (its warp's scale column)
         if constexpr (EPI == SG_ADD_NORM && !XRES) if (warp == 0 && kt() == 0) {
             const int row0 = (blockIdx.x + blk() * gridDim.x) * 16 * T;
@@ -392,7 +420,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                         }
                 }
         }
-        mbar_wait(full0 + 8 * s, W8 ? ring_phase : (i / stages) & 1);
+        mbar_wait(full0 + 8 * s, COUNTED ? ring_phase : (i / stages) & 1);
         const unsigned base = ring + s * STAGE;
         if constexpr (W8) {
             // scs[s][the warp's scale column][16 t + g + 8 h] times 2^56 (exact below 2^72), read now, used after
@@ -468,6 +496,49 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                         for (int h = 1; h < ROUNDS; ++h) sum += part[h][t][n][r];
                         acc[t][n][r] += sc0[t][r >> 1] * sum;
                     }
+        } else if constexpr (W4) {
+            // This warp's 64 columns of the stage: byte 32 (warp % 4) of weight box warp / 4, one ldmatrix.x4 per
+            // tile (r0, r1: rows g, g + 8 of columns 8 c .. 8 c + 7; r2, r3: of 32 + 8 c ..), four MMA steps, chunk h
+            // of 32 columns into its own chain (acc, acc4). The scales of rows 16 t + g (+ 8) are bytes 4 warp .. + 3
+            // of the stage's scale rows (one per 16 columns): byte 2 h + c / 2 is the lane's in chunk h.
+            const unsigned sbase = base + STAGE_TX - SBOX + 4 * warp;
+            const unsigned wa = base + (warp / 4) * WBOX + a_row + (((2 * (warp % 4) + a_half) ^ key) << 4);
+            unsigned b[2][NT][4];  // [chunk][token tile]: x[token][8 c .. 8 c + 7] of the chunk, bf16 pairs
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    const int e = warp * WCOLS + 32 * h + 8 * c;  // stage column
+                    const int xe = e % 64;
+                    const unsigned xa = XRES
+                        ? b_res8 + 2 * (kt() * KT + e)
+                        : base + WBOXES * WBOX + (e / 64) * XBOX + (8 * n + g) * 128 + (((xe / 8) ^ g) << 4);
+                    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                                 : "=r"(b[h][n][0]), "=r"(b[h][n][1]), "=r"(b[h][n][2]), "=r"(b[h][n][3]) : "r"(xa));
+                }
+#pragma unroll
+            for (int t = 0; t < T; ++t) {
+                unsigned r[4];
+                ldmatrix_x4(wa + t * 16 * 128, r[0], r[1], r[2], r[3]);
+                const unsigned s_lo = __float_as_uint(lds32(sbase + (16 * t + g) * (KT / 16)));
+                const unsigned s_hi = __float_as_uint(lds32(sbase + (16 * t + g + 8) * (KT / 16)));
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const unsigned sel = 0x4040u + 0x0101u * (2 * h + (c >> 1));
+                    const unsigned sg = w4_scale_pair(s_lo, sel), sg8 = w4_scale_pair(s_hi, sel);
+                    unsigned pg[4], pg8[4];
+                    e2m1x8_to_bf16(r[2 * h], pg);
+                    e2m1x8_to_bf16(r[2 * h + 1], pg8);
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) pg[j] = bf16x2_mul(pg[j], sg), pg8[j] = bf16x2_mul(pg8[j], sg8);
+#pragma unroll
+                    for (int n = 0; n < NT; ++n) {
+                        float (&chain)[4] = h == 0 ? acc[t][n] : acc4[t][n];
+                        mma_bf16(chain, pg[0], pg8[0], pg[1], pg8[1], b[h][n][0], b[h][n][1]);
+                        mma_bf16(chain, pg[2], pg8[2], pg[3], pg8[3], b[h][n][2], b[h][n][3]);
+                    }
+                }
+            }
         } else {
 #pragma unroll
         for (int kk = 0; kk < KT / CW; kk += 16) {
@@ -491,8 +562,28 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
         __syncwarp();
         if (lane == 0) mbar_arrive(empty0 + 8 * s);
 
-        if (W8 ? ring_kt + 1 != ktiles : (i + 1) % ktiles != 0) continue;
-        // End of a row block: add the CW warps' partials in a fixed order and write the outputs.
+        if (COUNTED ? ring_kt + 1 != ktiles : (i + 1) % ktiles != 0) continue;
+        // End of a row block: add the CW warps' partials in a fixed order and write the outputs (W4: each warp's
+        // two chains first; warp 0 then scales each row's sum by its global scale * 2^7, requested here so the
+        // load's latency passes under the barrier).
+        float gs[W4 ? T : 1][2];
+        if constexpr (W4) {
+#pragma unroll
+            for (int t = 0; t < T; ++t)
+#pragma unroll
+                for (int n = 0; n < NT; ++n)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) acc[t][n][r] += acc4[t][n][r];
+            if (warp == 0) {
+#pragma unroll
+                for (int t = 0; t < T; ++t)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int f = (blockIdx.x + blk() * gridDim.x) * 16 * T + 16 * t + g + 8 * h;
+                        gs[t][h] = f < N ? wsc.gscale[f] : 0.f;
+                    }
+            }
+        }
         float* mine = &acc[0][0][0];
         if (warp > 0) {
 #pragma unroll
@@ -504,6 +595,14 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
             for (int p = 0; p < CW - 1; ++p) {
 #pragma unroll
                 for (int r = 0; r < NACC; ++r) mine[r] += red[(p * NACC + r) * 32 + lane];
+            }
+            if constexpr (W4) {
+#pragma unroll
+                for (int t = 0; t < T; ++t)
+#pragma unroll
+                    for (int n = 0; n < NT; ++n)
+#pragma unroll
+                        for (int r = 0; r < 4; ++r) acc[t][n][r] *= gs[t][r >> 1];
             }
             if constexpr ((EPI & SG_SWIGLU) != 0) {
 #pragma unroll

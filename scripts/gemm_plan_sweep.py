@@ -93,7 +93,7 @@ def main() -> None:
                 chosen = default_plan(n, k, sms)
                 rows = []
                 for plan in candidates(n, k, sms):
-                    stream_gemm.plan_for = lambda n_, k_, s_, w8=False, warps=4, plan=plan: plan
+                    stream_gemm.plan_for = lambda n_, k_, s_, bits=16, warps=4, plan=plan: plan
                     ms = timed_ms(b, fns)
                     rows.append((plan, ms))
                 stream_gemm.plan_for = default_plan

@@ -122,8 +122,8 @@ def test_prefill_only_times_each_batch_of_prompts(tmp_path):
     assert "GEMM TFLOP/s" in r.stdout
 
 
-def test_bench_weights_fp8_refuses_a_hybrid_target():
-    from cudflash.bench import synthetic_fp8
+def test_bench_quantized_weights_refuse_a_hybrid_target():
+    from cudflash.bench import synthetic_quantized
     from cudflash.errors import BackendError
 
     class Cuda:
@@ -133,4 +133,4 @@ def test_bench_weights_fp8_refuses_a_hybrid_target():
         layers = [object()]
 
     with pytest.raises(BackendError, match="hybrid"):
-        synthetic_fp8(Target(), Cuda())
+        synthetic_quantized(Target(), Cuda(), "fp8")

@@ -20,7 +20,7 @@ from cudflash.engine.model_runner import ModelRunner
 from cudflash.engine.llm_engine import LLM
 from cudflash.errors import CheckpointError, ConfigError
 from cudflash.quant import QuantizedWeight, concat_rows, dequantize, quantize_fp8_block, read_quant_scheme
-from cudflash.quant.memory import dequantized_bytes, keep_fp8
+from cudflash.quant.memory import dequantized_bytes, keep_quantized
 from cudflash.quant.numerics import (E4M3_TABLE, decode_e2m1, encode_e2m1, encode_e4m3, pack_e2m1, unpack_e2m1)
 from cudflash.quant.weight import dequantize_reference
 from cudflash.sampling_params import SamplingParams
@@ -564,17 +564,20 @@ class _Tight(NumpyBackend):
         return self.budget
 
 
+@pytest.mark.parametrize("fmt,flag", [("qwen_fp8", "fp8_on_device"), ("modelopt_nvfp4", "nvfp4_on_device")])
 @pytest.mark.parametrize("fits", [True, False])
-def test_fp8_stays_on_the_device_only_where_bf16_would_not_fit(tmp_path, fits):
-    d, _ = _write(tmp_path, "q", "qwen_fp8", ODD)
+def test_quantized_weights_stay_on_the_device_only_where_bf16_would_not_fit(tmp_path, fits, fmt, flag):
+    d, _ = _write(tmp_path, "q", fmt, ODD)
     cfg = load_target_config(d)
     weights = dequantized_bytes(Checkpoint(d), 4)  # the numpy backend's itemsize
     kv = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4 * 64  # one sequence of max_model_len 64
     backend = _Tight(weights + kv + (1 if fits else -1))
     ModelRunner(cfg, None, backend, max_block_size=1, max_num_seqs=1, max_model_len=64,
                 target_quant=read_quant_scheme(d), num_kv_blocks=8)
-    assert backend.tuning.fp8_on_device is (not fits)
-    assert keep_fp8(10, 5, 15) is False and keep_fp8(10, 6, 15) is True
+    assert getattr(backend.tuning, flag) is (not fits)
+    other = {"fp8_on_device", "nvfp4_on_device"} - {flag}
+    assert getattr(backend.tuning, other.pop()) is False
+    assert keep_quantized(10, 5, 15) is False and keep_quantized(10, 6, 15) is True
 
 
 def test_a_hybrid_fp8_checkpoint_with_bf16_gates_equals_its_dequantized_values(tmp_path):

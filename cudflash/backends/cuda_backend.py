@@ -14,11 +14,12 @@ from typing import Any
 import cupy
 import numpy as np
 
-from cudflash.backends import cuda_gdn, cuda_gdn_chunk, fp8_weight, kernel_loader, stream_gemm
+from cudflash.backends import cuda_gdn, cuda_gdn_chunk, fp4_weight, fp8_weight, kernel_loader, stream_gemm
 from cudflash.backends.base import AttentionMeta, DeferredNorm
 from cudflash.backends.cublas import Cublas
 from cudflash.backends.cuda_attention import attention as _attention
 from cudflash.backends.cuda_attention import DeviceMeta, upload_meta
+from cudflash.backends.fp4_weight import Fp4Weight
 from cudflash.backends.fp8_weight import Fp8Weight
 from cudflash.backends.cuda_util import (
     THREADS,
@@ -125,25 +126,33 @@ class CudaBackend:
             return self._to_act(cupy.asarray(raw.view(np.float16 if dtype == "F16" else np.float32)))
         raise BackendError(f"cuda backend: cannot load dtype {dtype} (expected BF16, F16 or F32)")
 
-    def load_quantized(self, w: QuantizedWeight) -> cupy.ndarray | Fp8Weight:
+    def load_quantized(self, w: QuantizedWeight) -> cupy.ndarray | Fp8Weight | Fp4Weight:
         """With tuning.fp8_on_device, an FP8 weight whose scales cover whole 128-column blocks (every released FP8
-        layout: 128x128 blocks, per channel, per tensor) stays FP8 on the device (fp8_weight.Fp8Weight): the linear
-        ops stream its codes (stream_gemm.py, W8) or, for many rows, dequantize it to bf16 for cuBLAS. Any other
-        quantized weight (the default for FP8; NVFP4, FP8 with narrower blocks) is dequantized at load, on the
-        device, to the numpy backend's float32 values rounded once to bf16, and the step reads bf16."""
+        layout: 128x128 blocks, per channel, per tensor) stays FP8 on the device (fp8_weight.Fp8Weight); with
+        tuning.nvfp4_on_device an NVFP4 weight stays 4-bit (fp4_weight.Fp4Weight). The linear ops stream their codes
+        (stream_gemm.py, W8 / W4) or, for many rows, dequantize them to bf16 for cuBLAS. Any other quantized weight
+        (the default; FP8 with narrower blocks) is dequantized at load, on the device, to the numpy backend's float32
+        values rounded once to bf16, and the step reads bf16."""
         if self.tuning.fp8_on_device and fp8_weight.fits(w):
             return fp8_weight.upload(w)
+        if self.tuning.nvfp4_on_device and fp4_weight.fits(w):
+            return fp4_weight.upload(w)
         return self._to_act(dequantize(w, cupy))
 
-    def all_finite(self, x: cupy.ndarray | Fp8Weight) -> bool:
-        """No NaN / Inf in a loaded tensor (bf16, or FP8: no NaN code, finite scales); synchronises."""
+    def all_finite(self, x: cupy.ndarray | Fp8Weight | Fp4Weight) -> bool:
+        """No NaN / Inf in a loaded tensor (bf16; FP8: no NaN code, finite scales; NVFP4: its upload refused NaN
+        scales, so its global scales); synchronises."""
         if isinstance(x, Fp8Weight):
             return not bool(cupy.any((x.data & 0x7F) == 0x7F)) and bool(cupy.all(cupy.isfinite(x.scale)))
+        if isinstance(x, Fp4Weight):
+            return bool(cupy.all(cupy.isfinite(x.gscale)))
         return not self._bf16_flags(x)[0]
 
-    def any_nonzero(self, x: cupy.ndarray | Fp8Weight) -> bool:
+    def any_nonzero(self, x: cupy.ndarray | Fp8Weight | Fp4Weight) -> bool:
         if isinstance(x, Fp8Weight):
             return bool(cupy.any((x.data & 0x7F) != 0)) and bool(cupy.any(x.scale != 0))
+        if isinstance(x, Fp4Weight):
+            return x.any_nonzero()
         return self._bf16_flags(x)[1]
 
     def _bf16_flags(self, x: cupy.ndarray) -> tuple[bool, bool]:
@@ -293,8 +302,9 @@ class CudaBackend:
         RMSNorm kernel (and no wait on one) sits between the two; else the GEMM and the fused add + RMSNorm kernel."""
         rows = as_rows(x)
         (m, k), n = rows.shape, weight.shape[0]
-        if isinstance(weight, Fp8Weight):
-            fusable = weight.shape[1] == k and stream_gemm.fusable_fp8(m, n, k, self.num_sms, self.tuning)
+        if isinstance(weight, (Fp8Weight, Fp4Weight)):
+            fusable = weight.shape[1] == k and stream_gemm.fusable_quantized(
+                m, n, k, stream_gemm.weight_bits(weight), self.num_sms, self.tuning)
         else:
             fusable = weight.flags.c_contiguous and stream_gemm.fusable(m, n, k, weight.nbytes, self.num_sms,
                                                                         self.tuning)
@@ -317,7 +327,7 @@ class CudaBackend:
                bias: cupy.ndarray | None = None, out_f32: bool = False) -> cupy.ndarray:
         return self._add_bias(self._gemm(x, weight, cupy.float32 if out_f32 else self.act, swiglu=False), bias)
 
-    def _gemm(self, x: cupy.ndarray | DeferredNorm, weight: cupy.ndarray | Fp8Weight, out_dtype: np.dtype,
+    def _gemm(self, x: cupy.ndarray | DeferredNorm, weight: stream_gemm.Weight, out_dtype: np.dtype,
               swiglu: bool) -> cupy.ndarray:
         """x @ weight.T as a new [M, N] array of out_dtype; swiglu: weight is gate_up_weight's [2I, H] and the result
         the bf16 [M, I] of silu(gate) * up (in the streamed GEMM's epilogue, else by the swiglu kernel)."""
@@ -326,8 +336,8 @@ class CudaBackend:
         def streamed_out(m: int) -> cupy.ndarray:  # what the streamed GEMM writes
             return cupy.empty((m, n // 2) if swiglu else (m, n), dtype=self.act if swiglu else out_dtype)
 
-        if isinstance(weight, Fp8Weight):
-            return self._gemm_fp8(x, weight, out_dtype, swiglu, streamed_out)
+        if isinstance(weight, (Fp8Weight, Fp4Weight)):
+            return self._gemm_quantized(x, weight, out_dtype, swiglu, streamed_out)
 
         if isinstance(x, DeferredNorm):
             m, k = x.shape
@@ -362,16 +372,18 @@ class CudaBackend:
             x.plain = self.rms_norm(x.residual, x.weight, x.eps)
         return x.plain
 
-    def _gemm_fp8(self, x: cupy.ndarray | DeferredNorm, weight: Fp8Weight, out_dtype: np.dtype, swiglu: bool,
-                  streamed_out) -> cupy.ndarray:
-        """_gemm for an FP8 weight. Up to 16 rows (stream_gemm.usable_fp8): the streaming GEMM reads the codes, with
-        the epilogues as for bf16. Else (prefill, large batches, K % 256 != 0): the weight is dequantized into a bf16
-        scratch array (the exact values rounded once, fp8_dequant.cu) and cuBLAS runs on it: one more pass over the
-        weight (1 byte read, 2 written) per GEMM, small beside a GEMM of many rows, which is compute bound."""
+    def _gemm_quantized(self, x: cupy.ndarray | DeferredNorm, weight: Fp8Weight | Fp4Weight, out_dtype: np.dtype,
+                        swiglu: bool, streamed_out) -> cupy.ndarray:
+        """_gemm for an FP8 or NVFP4 weight. Up to 16 rows (stream_gemm.usable_quantized): the streaming GEMM reads
+        the codes, with the epilogues as for bf16. Else (prefill, large batches, K off the stage's columns): the
+        weight is dequantized into a bf16 scratch array (the exact values rounded once, fp8_dequant.cu /
+        fp4_dequant.cu) and cuBLAS runs on it: one more pass over the weight (1 or 0.56 bytes read, 2 written) per
+        GEMM, small beside a GEMM of many rows, which is compute bound."""
         n, k = weight.shape
+        bits = stream_gemm.weight_bits(weight)
         if isinstance(x, DeferredNorm):
             m = x.shape[0]
-            if x.partial is not None and x.shape[1] == k and stream_gemm.usable_fp8(m, n, k):
+            if x.partial is not None and x.shape[1] == k and stream_gemm.usable_quantized(m, n, k, bits):
                 y = streamed_out(m)
                 stream_gemm.row_scaled(x, weight, y, self.num_sms, self.tuning, swiglu)
                 return y
@@ -381,15 +393,16 @@ class CudaBackend:
             raise BackendError(f"cuda linear: x must be bf16, got {x.dtype}")
         m = x.shape[0]
         if x.shape[1] != k:
-            raise BackendError(f"cuda linear: x is [{m}, {x.shape[1]}] but the fp8 weight is {list(weight.shape)}")
-        if stream_gemm.usable_fp8(m, n, k):
+            raise BackendError(f"cuda linear: x is [{m}, {x.shape[1]}] but the {'fp8' if bits == 8 else 'nvfp4'} "
+                               f"weight is {list(weight.shape)}")
+        if stream_gemm.usable_quantized(m, n, k, bits):
             y = streamed_out(m)
             stream_gemm.stream_gemm(self._gemm_rows(x, True), weight, y, self.num_sms, self.tuning, swiglu)
             return y
         y = cupy.empty((m, n), dtype=cupy.float32 if swiglu else out_dtype)
         if m:
-            self.blas.gemm_bf16(self._gemm_rows(x, False), fp8_weight.dequantize_bf16(weight, self.act, self.tuning),
-                                y)
+            module = fp8_weight if bits == 8 else fp4_weight
+            self.blas.gemm_bf16(self._gemm_rows(x, False), module.dequantize_bf16(weight, self.act, self.tuning), y)
         return self._swiglu_rows(y) if swiglu else y
 
     def _add_bias(self, y: cupy.ndarray, bias: cupy.ndarray | None) -> cupy.ndarray:
@@ -401,15 +414,18 @@ class CudaBackend:
                 (cdiv(m * n // 8, THREADS),), (THREADS,), (y, bias, i32(m), i32(n)))
         return y
 
-    def gate_up_weight(self, gate: cupy.ndarray | Fp8Weight, up: cupy.ndarray | Fp8Weight) -> cupy.ndarray | Fp8Weight:
+    def gate_up_weight(self, gate: stream_gemm.Weight, up: stream_gemm.Weight) -> stream_gemm.Weight:
         """[I, H] each -> [2I, H] with gate and up rows interleaved in groups of 8 (rows 16 j .. 16 j + 7: gate
         features 8 j .. 8 j + 7, the next eight their up features), so that one MMA tile of the GEMM holds both halves
         of its features and its epilogue can write silu(gate) * up (stream_gemm.cu, SG_SWIGLU). FP8 parts: the same
-        interleave of codes, each row keeping its scale row (fp8_weight.interleave_gate_up)."""
+        interleave of codes, each row keeping its scale row (fp8_weight.interleave_gate_up); NVFP4 parts likewise
+        with their scales (fp4_weight.interleave_gate_up)."""
         if isinstance(gate, Fp8Weight) and isinstance(up, Fp8Weight):
             return fp8_weight.interleave_gate_up(gate, up)
-        if isinstance(gate, Fp8Weight) or isinstance(up, Fp8Weight):
-            raise BackendError("cuda gate_up: gate and up must both be FP8 or both bf16")
+        if isinstance(gate, Fp4Weight) and isinstance(up, Fp4Weight):
+            return fp4_weight.interleave_gate_up(gate, up)
+        if type(gate) is not type(up):
+            raise BackendError("cuda gate_up: gate and up must have one format (both bf16, FP8 or NVFP4)")
         inter, h = gate.shape
         if up.shape != gate.shape or inter % 8:
             raise BackendError(f"cuda gate_up: gate {gate.shape} and up {up.shape} must match, rows a multiple of 8")

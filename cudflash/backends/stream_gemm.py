@@ -31,6 +31,11 @@ build is unchanged): half the weight bytes per stage, the codes decoded to bf16 
 partial sum scaled in float32. Every epilogue works the same; the plan is a function of (N, K, the weight's format)
 and the device, still never of M. The scales come into shared memory with the codes (the copy warp stages them),
 so no compute warp waits on a global load in its loop.
+
+NVFP4 weights (fp4_weight.Fp4Weight: E2M1 codes in w4_layout's device layout, a byte per 16-column scale, a global
+scale per row) take its W4 instantiations: stages of 512 columns (the code bytes of an FP8 stage), the scale bytes
+brought by a second tensor map beside the codes, each decoded pair multiplied by its scale in bf16 (exactly), the
+global scale applied to each row's float32 sum.
 """
 from __future__ import annotations
 
@@ -44,13 +49,16 @@ import cupy
 from cudflash.backends import kernel_loader, pdl
 from cudflash.backends.base import DeferredNorm
 from cudflash.backends.cuda_util import i32
+from cudflash.backends.fp4_weight import Fp4Weight
 from cudflash.backends.fp8_weight import SCALE_COLS, Fp8Weight
 from cudflash.backends.tuning import CudaTuning
 from cudflash.errors import BackendError
 
 MAX_ROWS = 16  # two token tiles of 8
 MAX_PARTS = 256  # SG_MAX_PARTS: producer CTAs whose partial sums of squares a row-scaling GEMM folds
-KT = 256  # K columns per ring stage: 64 per compute warp, four k16 MMA steps
+KT = 256  # K columns per ring stage (bf16, FP8): 64 per compute warp, four k16 MMA steps
+KT_W4 = 512  # per ring stage of an NVFP4 weight: the code bytes of an FP8 stage
+W4_WARPS = 8  # compute warps over an NVFP4 weight: 64 columns of a stage each (one ldmatrix.x4 per tile)
 BOX_K = 64  # K columns per TMA box: 128 bytes, the span of the 128-byte swizzle
 X_RESIDENT_BYTES = 32 << 10  # x's rows are resident (see above) while they take at most this much shared memory
 # Shared memory per CTA, all of it requested: more than half an SM's 228 KiB, so two of these CTAs never share an
@@ -58,6 +66,7 @@ X_RESIDENT_BYTES = 32 << 10  # x's rows are resident (see above) while they take
 # at half speed there), while one attention CTA (70 KiB) still fits beside one.
 SMEM_BUDGET = 116 << 10
 BF16_WARPS = 4  # compute warps (the kernel's CW) of a bf16 weight; an FP8 one's: tuning.stream_gemm_w8_warps
+Weight = cupy.ndarray | Fp8Weight | Fp4Weight
 _Y = {"float32": "float", "bfloat16": "bf16", "uint16": "bf16"}
 PLAIN, ADD_NORM, ROW_SCALE, SWIGLU = 0, 1, 2, 4  # SG_PLAIN, SG_ADD_NORM, SG_ROW_SCALE, SG_SWIGLU (a flag)
 
@@ -70,25 +79,32 @@ class Plan:
     grid: int
     stages: int
 
-    w8: bool = False  # FP8 weight (its boxes hold 128 columns of one byte)
-    warps: int = BF16_WARPS  # compute warps (CW): each takes KT / warps columns of a stage; one more warp copies
+    bits: int = 16  # bits per weight element: 16 bf16, 8 FP8 (boxes of 128 one-byte codes), 4 NVFP4 (256 codes)
+    warps: int = BF16_WARPS  # compute warps (CW): each takes stage_cols / warps columns of a stage; one more copies
 
     @property
     def threads(self) -> int:
         return 32 * (self.warps + 1)
 
+    @property
+    def kt(self) -> int:
+        return stage_cols(self.bits)
+
     @staticmethod
-    def stage_bytes(t: int, x_resident: bool = False, w8: bool = False) -> int:
-        """One ring stage: the weight's KT columns of 16 t rows (bf16, or one byte per code: w8), and KT / BOX_K x
-        boxes [16][BOX_K] bf16 unless x is resident; w8: and the stage's scales, KT / 128 x 16 t float32 (the
-        copy warp stages them beside the codes)."""
-        return (16 * t * KT * (1 if w8 else 2) + (0 if x_resident else KT // BOX_K * 16 * BOX_K * 2)
-                + (KT // SCALE_COLS * 16 * t * 4 if w8 else 0))
+    def stage_bytes(t: int, x_resident: bool = False, bits: int = 16) -> int:
+        """One ring stage: the weight's stage_cols(bits) columns of 16 t rows, and x boxes [16][BOX_K] bf16 over
+        them unless x is resident; FP8: and the stage's scales, KT / 128 x 16 t float32 (the copy warp stages them
+        beside the codes); NVFP4: and its scale bytes, 16 t x KT_W4 / 16, the stage rounded up to 1024 bytes."""
+        kt = stage_cols(bits)
+        x = 0 if x_resident else kt // BOX_K * 16 * BOX_K * 2
+        if bits == 4:
+            return -(-(16 * t * kt // 2 + x + 16 * t * kt // 16) // 1024) * 1024
+        return 16 * t * kt * bits // 8 + x + (KT // SCALE_COLS * 16 * t * 4 if bits == 8 else 0)
 
     def smem(self, x_bytes: int | None = None) -> int:
         """Dynamic shared memory to request, with x's rows resident (`x_bytes`) or in boxes (None): at least
         SMEM_BUDGET, which keeps two CTAs off one SM."""
-        ring = self.stages * self.stage_bytes(self.t, x_bytes is not None, self.w8)
+        ring = self.stages * self.stage_bytes(self.t, x_bytes is not None, self.bits)
         return max(SMEM_BUDGET, self.fixed_bytes(self.t, self.warps) + ring + (x_bytes or 0))
 
     @staticmethod
@@ -98,10 +114,19 @@ class Plan:
         return 1024 + (warps - 1) * t * 2 * 4 * 32 * 4 + 16 * 16 + 16
 
 
-def resident_x_bytes(m: int, k: int, w8: bool = False) -> int | None:
-    """Shared memory for x [m, k]'s rows, each padded by 16 bytes (w8: 32; the kernel's XRES layout), if they are to
-    be resident: one token tile (m <= 8) within X_RESIDENT_BYTES; else None (x comes in boxes with each stage)."""
-    size = m * (2 * k + (32 if w8 else 16))
+def stage_cols(bits: int) -> int:
+    """K columns per ring stage for a weight of `bits` per element (K must be a multiple)."""
+    return KT_W4 if bits == 4 else KT
+
+
+def weight_bits(w: Weight) -> int:
+    return 4 if isinstance(w, Fp4Weight) else 8 if isinstance(w, Fp8Weight) else 16
+
+
+def resident_x_bytes(m: int, k: int, bits: int = 16) -> int | None:
+    """Shared memory for x [m, k]'s rows, each padded by 16 bytes (FP8: 32, NVFP4: 64; the kernel's XRES layout), if
+    they are to be resident: one token tile (m <= 8) within X_RESIDENT_BYTES; else None (x comes in boxes)."""
+    size = m * (2 * k + {16: 16, 8: 32, 4: 64}[bits])
     return size if m <= 8 and size <= X_RESIDENT_BYTES else None
 
 
@@ -112,12 +137,12 @@ BLOCK_OVERHEAD_TILES = 0.85
 
 
 @functools.cache
-def plan_for(n: int, k: int, num_sms: int, w8: bool = False, warps: int = BF16_WARPS) -> Plan:
+def plan_for(n: int, k: int, num_sms: int, bits: int = 16, warps: int = BF16_WARPS) -> Plan:
     """Row blocks of t = 4..1 tiles, the t whose CTAs finish first: each CTA streams `rounds` blocks of t tiles and
     pays BLOCK_OVERHEAD_TILES per block (ties go to larger blocks, which share each x tile across more weight
     rows). Counting only the SM slots the last round leaves idle picked one-tile blocks whenever they divided
-    evenly (1.2x slower at 9B's qkvg, and for 27B's qkvg and gate_up). w8: an FP8 weight, whose smaller stages make
-    the ring deeper; warps: its compute warps (their partials take shared memory from the ring)."""
+    evenly (1.2x slower at 9B's qkvg, and for 27B's qkvg and gate_up). bits: the weight's format (FP8's smaller
+    stages make the ring deeper); warps: its compute warps (their partials take shared memory from the ring)."""
     tiles = math.ceil(n / 16)
 
     def cost(t: int) -> float:
@@ -126,13 +151,14 @@ def plan_for(n: int, k: int, num_sms: int, w8: bool = False, warps: int = BF16_W
     t = min((4, 3, 2, 1), key=cost)
     blocks = math.ceil(tiles / t)
     rounds = math.ceil(blocks / num_sms)
-    stages = min(16, (SMEM_BUDGET - Plan.fixed_bytes(t, warps)) // Plan.stage_bytes(t, w8=w8))
-    return Plan(t=t, grid=math.ceil(blocks / rounds), stages=max(2, stages), w8=w8, warps=warps)
+    stages = min(16, (SMEM_BUDGET - Plan.fixed_bytes(t, warps)) // Plan.stage_bytes(t, bits=bits))
+    return Plan(t=t, grid=math.ceil(blocks / rounds), stages=max(2, stages), bits=bits, warps=warps)
 
 
-def weight_plan(n: int, k: int, num_sms: int, w8: bool, tuning: CudaTuning) -> Plan:
+def weight_plan(n: int, k: int, num_sms: int, bits: int, tuning: CudaTuning) -> Plan:
     """plan_for with the weight format's compute warps."""
-    return plan_for(n, k, num_sms, w8, tuning.stream_gemm_w8_warps if w8 else BF16_WARPS)
+    warps = {16: BF16_WARPS, 8: tuning.stream_gemm_w8_warps, 4: W4_WARPS}[bits]
+    return plan_for(n, k, num_sms, bits, warps)
 
 
 _SMEM_PER_SM, _SMEM_PER_BLOCK_OPTIN = 81, 97  # cudaDeviceAttr values
@@ -163,16 +189,16 @@ def fusable(m: int, n: int, k: int, nbytes: int, num_sms: int, tuning: CudaTunin
     return usable(m, n, k, nbytes, tuning) and plan_for(n, k, num_sms).grid <= MAX_PARTS
 
 
-def usable_fp8(m: int, n: int, k: int) -> bool:
-    """Whether CudaBackend.linear streams an FP8 weight [n, k] for x [m, k]: any size (the alternative is a
-    dequantization to bf16 and cuBLAS, two launches and more bytes, so no minimum as for bf16), K % KT == 0, and
-    again never a function of m within 1..MAX_ROWS."""
-    return 1 <= m <= MAX_ROWS and k % KT == 0 and available()
+def usable_quantized(m: int, n: int, k: int, bits: int) -> bool:
+    """Whether CudaBackend.linear streams an FP8 (bits 8) or NVFP4 (4) weight [n, k] for x [m, k]: any size (the
+    alternative is a dequantization to bf16 and cuBLAS, two launches and more bytes, so no minimum as for bf16),
+    K a multiple of the stage's columns, and again never a function of m within 1..MAX_ROWS."""
+    return 1 <= m <= MAX_ROWS and k % stage_cols(bits) == 0 and available()
 
 
-def fusable_fp8(m: int, n: int, k: int, num_sms: int, tuning: CudaTuning) -> bool:
-    """usable_fp8, as an SG_ADD_NORM producer (few enough CTAs to fold)."""
-    return usable_fp8(m, n, k) and weight_plan(n, k, num_sms, True, tuning).grid <= MAX_PARTS
+def fusable_quantized(m: int, n: int, k: int, bits: int, num_sms: int, tuning: CudaTuning) -> bool:
+    """usable_quantized, as an SG_ADD_NORM producer (few enough CTAs to fold)."""
+    return usable_quantized(m, n, k, bits) and weight_plan(n, k, num_sms, bits, tuning).grid <= MAX_PARTS
 
 
 class TensorMap(ctypes.Structure):  # CUtensorMap: 128 opaque bytes, passed to the kernel by value
@@ -185,7 +211,8 @@ class Epilogue(ctypes.Structure):  # struct Epilogue in stream_gemm.cu, passed b
 
 
 class WeightScales(ctypes.Structure):  # struct WeightScales in stream_gemm.cu, passed by value (null for bf16)
-    _fields_ = [("scale", ctypes.c_void_p), ("rows", ctypes.c_void_p), ("cols", ctypes.c_int)]
+    _fields_ = [("scale", ctypes.c_void_p), ("rows", ctypes.c_void_p), ("cols", ctypes.c_int),
+                ("gscale", ctypes.c_void_p)]
 
 
 @dataclass(frozen=True, eq=False)
@@ -212,55 +239,59 @@ def _encoder():
     return fn
 
 
-_UINT8, _BF16, _SWIZZLE_128B, _L2_256B = 0, 9, 3, 3  # CUtensorMapDataType, CUtensorMapSwizzle, CUtensorMapL2promotion
+_UINT8, _BF16, _SWIZZLE_NONE, _SWIZZLE_128B, _L2_256B = 0, 9, 0, 3, 3  # CUtensorMap{DataType,Swizzle,L2promotion}
 
 
 @functools.lru_cache(maxsize=4096)
-def tensor_map(ptr: int, rows: int, cols: int, row_stride: int, box_rows: int, itemsize: int = 2) -> TensorMap:
-    """A bf16 (itemsize 2) or uint8 (itemsize 1: FP8 codes) [rows, cols] matrix (row stride in elements) read in
-    boxes of [box_rows, 128 bytes of columns], 128-byte swizzled; boxes past the last row are filled with zeros. Keyed
-    by address and shape, so a weight's map is built once."""
+def tensor_map(ptr: int, rows: int, cols: int, row_stride: int, box_rows: int, itemsize: int = 2,
+               box_bytes: int | None = None) -> TensorMap:
+    """A bf16 (itemsize 2) or uint8 (itemsize 1: FP8 / NVFP4 codes) [rows, cols] matrix (row stride in elements)
+    read in boxes of [box_rows, 128 bytes of columns], 128-byte swizzled; or of [box_rows, box_bytes] unswizzled
+    (the NVFP4 scale bytes). Boxes past the last row are filled with zeros. Keyed by address and shape, so a
+    weight's map is built once."""
     out = TensorMap()
     dims = (ctypes.c_uint64 * 2)(cols, rows)
     strides = (ctypes.c_uint64 * 1)(row_stride * itemsize)
-    box = (ctypes.c_uint32 * 2)(BOX_K * 2 // itemsize, box_rows)
+    box = (ctypes.c_uint32 * 2)((box_bytes or BOX_K * 2) // itemsize, box_rows)
     unit = (ctypes.c_uint32 * 2)(1, 1)
     dtype = _BF16 if itemsize == 2 else _UINT8
-    status = _encoder()(ctypes.byref(out), dtype, 2, ptr, dims, strides, box, unit, 0, _SWIZZLE_128B, _L2_256B, 0)
+    swizzle = _SWIZZLE_128B if box_bytes is None else _SWIZZLE_NONE
+    status = _encoder()(ctypes.byref(out), dtype, 2, ptr, dims, strides, box, unit, 0, swizzle, _L2_256B, 0)
     if status != 0:
         raise BackendError(f"cuTensorMapEncodeTiled failed ({status}) for [{rows}, {cols}] stride {row_stride}")
     return out
 
 
-def _name(t: int, nt: int, y: str, epilogue: int, x_resident: bool, w8: bool, warps: int) -> str:
-    return (f"stream_gemm<{t}, {nt}, {KT}, {y}, {epilogue}, {'true' if x_resident else 'false'}, "
-            f"{'true' if w8 else 'false'}, {warps}>")
+def _name(t: int, nt: int, y: str, epilogue: int, x_resident: bool, bits: int, warps: int) -> str:
+    return (f"stream_gemm<{t}, {nt}, {stage_cols(bits)}, {y}, {epilogue}, {'true' if x_resident else 'false'}, "
+            f"{bits}, {warps}>")
 
 
 @functools.cache
-def _names(w8: bool, warps: int) -> tuple[str, ...]:
-    """Every instantiation of a module: the bf16 one (w8 False), or the FP8 one (the same source compiled apart, with
-    the tuning's compute warps)."""
-    return tuple(_name(t, nt, y, e, res, w8, warps) for t in (1, 2, 3, 4)
+def _names(bits: int, warps: int) -> tuple[str, ...]:
+    """Every instantiation of a module: one per weight format (bf16, FP8 with the tuning's compute warps, NVFP4: the
+    same source compiled apart, so that one format's instantiations never change another's build)."""
+    return tuple(_name(t, nt, y, e, res, bits, warps) for t in (1, 2, 3, 4)
                  for nt, res in ((1, False), (2, False), (1, True))
                  for y, e in (("float", PLAIN), ("bf16", PLAIN), ("float", ADD_NORM), ("float", ROW_SCALE),
                               ("bf16", ROW_SCALE), ("bf16", SWIGLU), ("bf16", ROW_SCALE | SWIGLU)))
 
 
-def stream_gemm(x: cupy.ndarray, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
+def stream_gemm(x: cupy.ndarray, w: Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
                 swiglu: bool = False) -> None:
-    """y[M, N] = x[M, K] @ w[N, K].T; x bf16 with 16-byte aligned rows, w bf16 contiguous or an Fp8Weight, y bf16 or
-    float32 contiguous (the caller, CudaBackend.linear, checks `usable` / `usable_fp8` and the layouts). swiglu: w is
+    """y[M, N] = x[M, K] @ w[N, K].T; x bf16 with 16-byte aligned rows, w bf16 contiguous, an Fp8Weight or an
+    Fp4Weight, y bf16 or float32 contiguous (the caller, CudaBackend.linear, checks `usable` / `usable_quantized` and
+    the layouts). swiglu: w is
     an interleaved gate_up weight (N % 16 == 0) and y [M, N / 2] bf16 gets silu(gate) * up."""
     _launch(x, w, y, num_sms, tuning, SWIGLU if swiglu else PLAIN, Epilogue())
 
 
-def add_norm(x: cupy.ndarray, w: cupy.ndarray | Fp8Weight, residual: cupy.ndarray, norm_w: cupy.ndarray,
+def add_norm(x: cupy.ndarray, w: Weight, residual: cupy.ndarray, norm_w: cupy.ndarray,
              eps: float, num_sms: int, tuning: CudaTuning) -> tuple[DeferredNorm, cupy.ndarray]:
     """(rms_norm(r) * norm_w deferred, r) with r = residual + x @ w.T, float32 [M, N]; residual contiguous float32
     [M, N], norm_w bf16 [N]."""
     m, n = x.shape[0], w.shape[0]
-    parts = weight_plan(n, w.shape[1], num_sms, isinstance(w, Fp8Weight), tuning).grid  # <= MAX_PARTS: checked
+    parts = weight_plan(n, w.shape[1], num_sms, weight_bits(w), tuning).grid  # <= MAX_PARTS: checked
     r = cupy.empty((m, n), dtype=cupy.float32)
     normed = cupy.empty((m, n), dtype=x.dtype)
     ssq = cupy.empty((parts, MAX_ROWS), dtype=cupy.float32)
@@ -269,7 +300,7 @@ def add_norm(x: cupy.ndarray, w: cupy.ndarray | Fp8Weight, residual: cupy.ndarra
     return DeferredNorm(r, norm_w, eps, partial=PartialNorm(normed, ssq)), r
 
 
-def row_scaled(x: DeferredNorm, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
+def row_scaled(x: DeferredNorm, w: Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
                swiglu: bool = False) -> None:
     """y = rms_norm(x.residual) * x.weight @ w.T, from the partial form add_norm left: normed @ w.T, rows scaled
     (swiglu: as in stream_gemm)."""
@@ -278,33 +309,38 @@ def row_scaled(x: DeferredNorm, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, nu
             Epilogue(ssq=part.ssq.data.ptr, parts=part.ssq.shape[0], width=part.normed.shape[1], eps=x.eps))
 
 
-def kernel_name(m: int, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
+def kernel_name(m: int, w: Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
                 epilogue: int = PLAIN) -> str:
     """The instantiation a launch for x [m, K] @ w.T into y takes (a microbench compiles just the ones it needs:
     `_launch`'s `names`)."""
     n, k = w.shape
-    w8 = isinstance(w, Fp8Weight)
-    plan = weight_plan(n, k, num_sms, w8, tuning)
-    return _name(plan.t, 1 if m <= 8 else 2, _Y[y.dtype.name], epilogue, resident_x_bytes(m, k, w8) is not None, w8,
-                 plan.warps)
+    bits = weight_bits(w)
+    plan = weight_plan(n, k, num_sms, bits, tuning)
+    return _name(plan.t, 1 if m <= 8 else 2, _Y[y.dtype.name], epilogue, resident_x_bytes(m, k, bits) is not None,
+                 bits, plan.warps)
 
 
-def _launch(x: cupy.ndarray, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
+def _launch(x: cupy.ndarray, w: Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
             epilogue: int, epi: Epilogue, names: tuple[str, ...] | None = None) -> None:
     """names: the instantiations to compile into the module (default: all of the weight format's)."""
     m, k = x.shape
     n = w.shape[0]
-    w8 = isinstance(w, Fp8Weight)
+    bits = weight_bits(w)
     if epilogue & SWIGLU and (n % 16 or y.shape != (m, n // 2) or y.dtype.name == "float32"):
         raise BackendError(f"stream_gemm swiglu: weight rows {n} (need a multiple of 16), y {y.shape} {y.dtype}")
-    plan = weight_plan(n, k, num_sms, w8, tuning)
-    x_bytes = resident_x_bytes(m, k, w8)
+    plan = weight_plan(n, k, num_sms, bits, tuning)
+    x_bytes = resident_x_bytes(m, k, bits)
     name = kernel_name(m, w, y, num_sms, tuning, epilogue)
-    kern = kernel_loader.function("stream_gemm", name, names or _names(w8, plan.warps), tuning=tuning)
+    kern = kernel_loader.function("stream_gemm", name, names or _names(bits, plan.warps), tuning=tuning)
     smem = plan.smem(x_bytes)
     kern.reserve_shared(smem)
     ldx = x.strides[0] // x.itemsize if m > 1 else k
-    if w8:
+    smap = TensorMap()
+    if bits == 4:
+        wmap = tensor_map(w.data.data.ptr, n, k // 2, k // 2, 16 * plan.t, itemsize=1)
+        smap = tensor_map(w.scale.data.ptr, n, k // 16, k // 16, 16 * plan.t, itemsize=1, box_bytes=KT_W4 // 16)
+        scales = WeightScales(gscale=w.gscale.data.ptr)
+    elif bits == 8:
         wmap = tensor_map(w.data.data.ptr, n, k, k, 16 * plan.t, itemsize=1)
         scales = WeightScales(w.scale.data.ptr, w.rows.data.ptr, w.scale.shape[1])
     else:
@@ -312,7 +348,7 @@ def _launch(x: cupy.ndarray, w: cupy.ndarray | Fp8Weight, y: cupy.ndarray, num_s
     xmap = tensor_map(x.data.ptr, m, k, ldx, 16) if x_bytes is None else _x_rows(x.data.ptr, 2 * ldx)
     stream = cupy.cuda.get_current_stream()
     args = (wmap, xmap, y, i32(m), i32(n), i32(k), i32(plan.stages), i32(tuning.stream_gemm_prefill_stages), epi,
-            scales)
+            scales, smap)
     pdl.launch(kern.raw, (plan.grid,), (plan.threads,), args, smem, stream, programmatic=kern.programmatic(stream))
 
 

@@ -40,6 +40,10 @@ class CudaTuning:
     # linear ops read them (fp8_weight.py). Off: dequantized to bf16 at load. Off by default while the FP8 path is
     # slower where it counts: its many-row path makes a verify at batch 8 2.7x slower than bf16 (BENCHMARKS.md).
     fp8_on_device: bool = False
+    # NVFP4 checkpoints keep their 4-bit codes on the device (fp4_weight.py, 0.56 bytes per weight) and the linear
+    # ops read them. Off: dequantized to bf16 at load. Off by default for the reason FP8 is: the many-row GEMMs
+    # dequantize the weight each time.
+    nvfp4_on_device: bool = False
     # Compute warps of the streaming GEMM over an FP8 weight: 4 (one per scheduler) or 8 (two). Part of the plan: the
     # summation order depends on it, never on the rows (kernels/stream_gemm.cu).
     stream_gemm_w8_warps: int = 8

@@ -28,7 +28,7 @@ from cudflash.models.target import TargetModel
 from cudflash.models.weights import RandomWeights, WeightLoader, WeightMemory
 from cudflash.parallel.engine_target import TensorParallelTarget
 from cudflash.quant import QuantScheme
-from cudflash.quant.memory import dequantized_bytes, keep_fp8
+from cudflash.quant.memory import dequantized_bytes, keep_quantized
 from cudflash.rope import device_rope_tables
 
 
@@ -128,8 +128,8 @@ class ModelRunner:
         target_loader = loader(target_cfg.path, "target", target_quant, None if target_quant else quantize,
                                quantize_lm_head)
         if isinstance(target_loader, WeightLoader):  # nothing is uploaded yet
-            self._keep_fp8_if_bf16_does_not_fit(target_loader.ckpt, target_cfg, draft_cfg, backend, target_quant,
-                                                quantize, memory_utilization, progress)
+            self._keep_quantized_if_bf16_does_not_fit(target_loader.ckpt, target_cfg, draft_cfg, backend,
+                                                      target_quant, quantize, memory_utilization, progress)
         self.hybrid = target_cfg.hybrid is not None
         if tensor_parallel_size == 1:  # today's path, untouched
             self.target = (HybridTargetModel if self.hybrid else TargetModel)(target_cfg, target_loader, backend)
@@ -211,25 +211,26 @@ class ModelRunner:
         # block-table entries point at (never written: padded rows' slots are -1).
         self.dummy_block = num_kv_blocks
 
-    def _keep_fp8_if_bf16_does_not_fit(self, target_ckpt: Checkpoint, target_cfg: TargetConfig,
-                                       draft_cfg: DraftConfig | None, backend: Backend,
-                                       target_quant: QuantScheme | None, quantize: str | None,
-                                       memory_utilization: float, progress: bool) -> None:
-        """A CUDA backend dequantizes FP8 weights to bf16 at load unless tuning.fp8_on_device: where the bf16 form
-        of the target (and drafter) would leave no room for the KV cache of one max_model_len sequence, this load
-        keeps the FP8 codes on the device instead (quant/memory.py), and says so. Hybrid targets always dequantize:
-        FP8 on the device is refused for them by name."""
+    def _keep_quantized_if_bf16_does_not_fit(self, target_ckpt: Checkpoint, target_cfg: TargetConfig,
+                                             draft_cfg: DraftConfig | None, backend: Backend,
+                                             target_quant: QuantScheme | None, quantize: str | None,
+                                             memory_utilization: float, progress: bool) -> None:
+        """A CUDA backend dequantizes FP8 and NVFP4 weights to bf16 at load unless tuning.fp8_on_device /
+        nvfp4_on_device: where the bf16 form of the target (and drafter) would leave no room for the KV cache of one
+        max_model_len sequence, this load keeps the codes on the device instead (quant/memory.py), and says so.
+        Hybrid targets always dequantize: quantized weights on the device are refused for them by name."""
         tuning = getattr(backend, "tuning", None)
-        fp8 = quantize == "fp8" or (target_quant is not None and target_quant.format == "fp8")
-        if tuning is None or not fp8:
+        fmt = "fp8" if quantize == "fp8" else target_quant.format if target_quant is not None else None
+        if tuning is None or fmt not in ("fp8", "nvfp4"):
             return
+        flag = f"{fmt}_on_device"
         if target_cfg.hybrid is not None:  # the attention layers permute q_proj's rows at load (models/hybrid.py)
-            if tuning.fp8_on_device:
-                raise ConfigError(f"{target_cfg.path}: FP8 weights kept on the device (tuning fp8_on_device) are not "
-                                  f"supported for a Gated DeltaNet hybrid target yet; load it without that setting "
-                                  f"(its FP8 weights are then dequantized to bf16)")
+            if getattr(tuning, flag):
+                raise ConfigError(f"{target_cfg.path}: {fmt.upper()} weights kept on the device (tuning {flag}) are "
+                                  f"not supported for a Gated DeltaNet hybrid target yet; load it without that "
+                                  f"setting (its {fmt.upper()} weights are then dequantized to bf16)")
             return
-        if tuning.fp8_on_device:
+        if getattr(tuning, flag):
             return
         size = backend.act_itemsize
         weights = dequantized_bytes(target_ckpt, size)
@@ -237,12 +238,12 @@ class ModelRunner:
             weights += dequantized_bytes(Checkpoint(draft_cfg.path), size)
         kv = kv_elements_per_position(target_cfg, draft_cfg, target_cfg.num_kv_heads) * size * self.max_model_len
         budget = backend.memory_budget(memory_utilization)
-        if keep_fp8(weights, kv, budget):
-            backend.tuning = dataclasses.replace(tuning, fp8_on_device=True)
+        if keep_quantized(weights, kv, budget):
+            backend.tuning = dataclasses.replace(tuning, **{flag: True})
             if progress:
-                print(f"FP8 weights stay FP8 on the device: their bf16 form ({weights / 2**30:.1f} GiB) and the KV "
-                      f"cache of one {self.max_model_len}-token sequence would not fit in {budget / 2**30:.1f} GiB",
-                      file=sys.stderr, flush=True)
+                print(f"{fmt.upper()} weights stay {fmt.upper()} on the device: their bf16 form "
+                      f"({weights / 2**30:.1f} GiB) and the KV cache of one {self.max_model_len}-token sequence would "
+                      f"not fit in {budget / 2**30:.1f} GiB", file=sys.stderr, flush=True)
 
     def _tensor_parallel_target(self, cfg: TargetConfig, first: WeightLoader | RandomWeights, backend: Backend,
                                 size: int, loader: Callable) -> TensorParallelTarget:

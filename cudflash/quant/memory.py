@@ -1,6 +1,6 @@
-"""Whether FP8 weights stay FP8 on the GPU. By default the CUDA backend dequantizes them to bf16 at load (the
-step's many-row GEMMs are faster on bf16: docs/quantization.md); a target whose bf16 form would not leave room for
-the KV cache of one sequence of max_model_len tokens keeps its FP8 codes instead, so that it runs at all."""
+"""Whether FP8 / NVFP4 weights stay quantized on the GPU. By default the CUDA backend dequantizes them to bf16 at load
+(the step's many-row GEMMs are faster on bf16: docs/quantization.md); a target whose bf16 form would not leave room
+for the KV cache of one sequence of max_model_len tokens keeps its codes instead, so that it runs at all."""
 from __future__ import annotations
 
 import math
@@ -28,7 +28,7 @@ def dequantized_bytes(ckpt: Checkpoint, itemsize: int) -> int:
     return total
 
 
-def keep_fp8(bf16_weight_bytes: int, min_kv_bytes: int, budget: int) -> bool:
+def keep_quantized(bf16_weight_bytes: int, min_kv_bytes: int, budget: int) -> bool:
     """True when weights of `bf16_weight_bytes` (dequantized) and the least KV cache the engine starts with do not
     fit in `budget` (the device memory the weights and the KV cache may take)."""
     return bf16_weight_bytes + min_kv_bytes > budget

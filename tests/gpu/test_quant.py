@@ -1,6 +1,6 @@
 """Quantized weights on the GPU: load_quantized dequantizes to the numpy backend's float32 values rounded once to
-bf16, or with tuning.fp8_on_device keeps FP8 as codes and scales whose bf16 form has those bits (NVFP4 always
-dequantized), for every format and a fused weight off the block grid; and the tiny pair quantized to FP8 at load:
+bf16, or with tuning.fp8_on_device / nvfp4_on_device keeps the codes and scales, whose bf16 form has those bits, for
+every format and a fused weight off the block grid; and the tiny pair quantized (FP8 at load, NVFP4 on disk):
 speculative greedy equals autoregressive greedy."""
 from __future__ import annotations
 
@@ -29,20 +29,21 @@ def _weights(rng) -> list[QuantizedWeight]:
     return [fp8, fused, channel, nvfp4]
 
 
-@pytest.mark.parametrize("fp8_on_device", [False, True])
-def test_load_quantized_is_numpy_rounded_to_bf16(rng, fp8_on_device):
-    """NVFP4 is dequantized at load; FP8 too by default, and with tuning.fp8_on_device it stays FP8 on the device
-    (Fp8Weight), whose bf16 form for the many-row GEMMs has the same bits."""
+@pytest.mark.parametrize("on_device", [False, True])
+def test_load_quantized_is_numpy_rounded_to_bf16(rng, on_device):
+    """FP8 and NVFP4 are dequantized at load by default; with tuning.fp8_on_device / nvfp4_on_device they stay
+    quantized on the device (Fp8Weight, Fp4Weight), whose bf16 form for the many-row GEMMs has the same bits."""
+    from cudflash.backends import fp4_weight, fp8_weight
     from cudflash.backends.cuda_backend import CudaBackend
-    from cudflash.backends.fp8_weight import Fp8Weight, dequantize_bf16
 
-    cb = CudaBackend(tuning={"fp8_on_device": fp8_on_device})
+    cb = CudaBackend(tuning={"fp8_on_device": on_device, "nvfp4_on_device": on_device})
     for w in _weights(rng):
         want = float32_to_bf16_bits(dequantize(w))
         got = cb.load_quantized(w)
-        assert isinstance(got, Fp8Weight) == (fp8_on_device and w.format == "fp8")
-        if isinstance(got, Fp8Weight):
-            got = dequantize_bf16(got, cb.act, cb.tuning)
+        kind = {"fp8": fp8_weight.Fp8Weight, "nvfp4": fp4_weight.Fp4Weight}[w.format]
+        assert isinstance(got, kind) == on_device
+        if on_device:
+            got = (fp8_weight if w.format == "fp8" else fp4_weight).dequantize_bf16(got, cb.act, cb.tuning)
         assert np.array_equal(_bf16_bits(got), want), w.format
 
 
@@ -58,3 +59,30 @@ def test_tiny_pair_fp8_at_load_on_the_gpu(tiny_pair, fp8_on_device):
     ar = LLM(tiny_pair / "target", backend="cuda", quantize="fp8", tuning=tuning).generate(prompts, params)
     same = sum(s.token_ids == a.token_ids for s, a in zip(spec, ar))
     assert same >= int(np.ceil(0.95 * len(prompts))), f"spec == AR on {same} of {len(prompts)} prompts"
+
+
+@pytest.mark.parametrize("nvfp4_on_device", [False, True])
+def test_tiny_pair_nvfp4_on_the_gpu(tiny_pair, tmp_path, nvfp4_on_device):
+    """The tiny pair's target written as a ModelOpt NVFP4 checkpoint: kept 4-bit on the device (its down_proj
+    streams, K = 1024; the K = 384 projections dequantize per GEMM) or dequantized at load, spec == AR."""
+    import json
+
+    from cudflash.checkpoint import Checkpoint
+    from tests.quant_checkpoints import copy_side_files, write_quantized
+
+    ckpt = Checkpoint(tiny_pair / "target")
+    config = json.loads((tiny_pair / "target" / "config.json").read_text())
+    target = write_quantized(tmp_path / "nvfp4", config, {n: ckpt.float32(n) for n in ckpt.names}, "modelopt_nvfp4")
+    copy_side_files(tiny_pair / "target", target)
+    prompts = json.loads((tiny_pair / "prompts_dev.json").read_text())["prompts"]
+    params = SamplingParams(max_tokens=128, ignore_eos=True)
+    tuning = {"nvfp4_on_device": nvfp4_on_device}
+    gpu = LLM(target, draft=tiny_pair / "drafter", backend="cuda", tuning=tuning)
+    mem = gpu.runner.weight_memory["target"]
+    assert (mem.device["nvfp4"] < 2 * mem.stored["nvfp4"]) == nvfp4_on_device  # 4-bit on the device, or bf16
+    spec = gpu.generate(prompts, params)
+    ar = LLM(target, backend="cuda", tuning=tuning).generate(prompts, params)
+    same = sum(s.token_ids == a.token_ids for s, a in zip(spec, ar))
+    assert same >= int(np.ceil(0.95 * len(prompts))), f"spec == AR on {same} of {len(prompts)} prompts"
+    tau = np.mean([np.mean(s.acceptance_lengths) for s in spec])
+    assert tau > 1.5, tau

@@ -228,12 +228,12 @@ def test_fp8_plans_fit_and_do_not_depend_on_rows():
     bytes per stage), the same shared-memory request (one CTA per SM)."""
     for (n, k), warps in itertools.product(((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (200, 256)),
                                            (4, 8)):
-        bf, f8 = sg.plan_for(n, k, 132), sg.plan_for(n, k, 132, True, warps)
+        bf, f8 = sg.plan_for(n, k, 132), sg.plan_for(n, k, 132, 8, warps)
         assert (f8.t, f8.grid) == (bf.t, bf.grid) and f8.stages >= bf.stages and f8.threads == 32 * (warps + 1)
         for m in (1, 8, 16):
-            x_bytes = sg.resident_x_bytes(m, k, True)
+            x_bytes = sg.resident_x_bytes(m, k, 8)
             assert f8.smem(x_bytes) == sg.SMEM_BUDGET
-            assert f8.fixed_bytes(f8.t, warps) + f8.stages * f8.stage_bytes(f8.t, x_bytes is not None, True) + (
+            assert f8.fixed_bytes(f8.t, warps) + f8.stages * f8.stage_bytes(f8.t, x_bytes is not None, 8) + (
                 x_bytes or 0) <= sg.SMEM_BUDGET
 
 
