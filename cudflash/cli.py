@@ -143,8 +143,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 def _add_quantize_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=list(QUANTIZE_CHOICES),
                    help="quantize the target's linear weights at load (fp8: 128x128 block-scaled E4M3, the Qwen -FP8 "
-                        "layout; embeddings, norms and the LM head stay as stored). Quantized checkpoints load as "
-                        "they are without it")
+                        "layout; nvfp4: E2M1 with an E4M3 scale per 16, the ModelOpt layout; embeddings, norms and "
+                        "the LM head stay as stored). Quantized checkpoints load as they are without it")
     p.add_argument("--quantize-draft", action="store_true",
                    help="with --quantize: quantize the drafter too (default: the drafter stays bf16)")
     p.add_argument("--quantize-lm-head", action="store_true",

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cudflash.quant.numerics import decode_e4m3, encode_e2m1, encode_e4m3, pack_e2m1
+from cudflash.quant.numerics import encode_e4m3
+from cudflash.quant.weight import quantize_nvfp4
 from cudflash.tiny import float32_to_bf16_bits
 
 QUANTIZED = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
@@ -134,17 +135,11 @@ def modelopt_nvfp4(tensors: dict[str, np.ndarray]):
     amax / (6 * 448), block scales E4M3 of block amax / (6 * global), elements E2M1 of w / (block * global)."""
     out = {}
     for name, w in _to_quantize(tensors, out):
-        n, k = w.shape
-        g = np.float32(np.abs(w).max() / np.float32(6 * 448))
-        blocks = w.reshape(n, k // 16, 16)
-        scale_codes = encode_e4m3(np.abs(blocks).max(axis=2) / (np.float32(6) * g))
-        scale = decode_e4m3(scale_codes)
-        denom = np.where(scale > 0, scale * g, 1).astype(np.float32)
-        codes = encode_e2m1((blocks / denom[:, :, None]).reshape(n, k))
+        qw = quantize_nvfp4(w)  # the engine's quantize="nvfp4" is this recipe too
         module = name[: -len("weight")]
-        out[name] = ("U8", pack_e2m1(codes))
-        out[module + "weight_scale"] = ("F8_E4M3", scale_codes)
-        out[module + "weight_scale_2"] = ("F32", np.array(g, dtype=np.float32))
+        out[name] = ("U8", qw.data)
+        out[module + "weight_scale"] = ("F8_E4M3", qw.scale)
+        out[module + "weight_scale_2"] = ("F32", np.array(qw.global_scale[0], dtype=np.float32))
         out[module + "input_scale"] = ("F32", np.array(0.02, dtype=np.float32))
     quant = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": ["lm_head"]}
     hf = {"producer": {"name": "modelopt", "version": "0.29.0"}, "quantization": quant}

@@ -305,7 +305,7 @@ def test_quantize_fp8_at_load_converts_projections_only(tmp_path):
 def test_quantize_choices_are_checked(tmp_path):
     tensors, config = _target(tmp_path, ODD)
     target = write_model(tmp_path / "t", config, tensors)
-    with pytest.raises(ConfigError, match="quantize must be one of 'fp8'"):
+    with pytest.raises(ConfigError, match="quantize must be one of 'fp8', 'nvfp4'"):
         LLM(target, backend="cpu", quantize="int4")
     with pytest.raises(ConfigError, match="quantize_draft needs quantize"):
         LLM(target, backend="cpu", quantize_draft=True)
@@ -324,6 +324,34 @@ def test_quantize_choices_are_checked(tmp_path):
     fp8, out = _write(tmp_path, "f", "qwen_fp8", ODD)  # the same layout: accepted, and nothing changes
     same = LLM(fp8, backend="cpu", kv_block_size=8, quantize="fp8").runner.target
     assert np.array_equal(same.layers[0].qkv, LLM(fp8, backend="cpu", kv_block_size=8).runner.target.layers[0].qkv)
+    with pytest.raises(ConfigError, match="already quantized as fp8.*requantizing"):
+        LLM(fp8, backend="cpu", quantize="nvfp4")
+    same = LLM(nvfp4, backend="cpu", kv_block_size=8, quantize="nvfp4").runner.target  # NVFP4 already: as stored
+    assert np.array_equal(same.layers[0].qkv, LLM(nvfp4, backend="cpu", kv_block_size=8).runner.target.layers[0].qkv)
+
+
+def test_quantize_nvfp4_at_load_is_the_modelopt_recipe(tmp_path):
+    """quantize="nvfp4": every projection holds the exact values of quant.quantize_nvfp4 of its stored weights
+    (within each 16 columns the largest magnitude maps to the scale's 6, up to E4M3 rounding); the embedding, norms
+    and head stay as stored; a matrix whose K is not a multiple of 16 stays as stored too."""
+    from cudflash.quant import quantize_nvfp4
+
+    tensors, config = _target(tmp_path, ODD)
+    target = write_model(tmp_path / "t", config, tensors)
+    llm = LLM(target, backend="cpu", kv_block_size=8, quantize="nvfp4")
+    ckpt = Checkpoint(target)
+    layer = llm.runner.target.layers[0]
+    want = dequantize(quantize_nvfp4(ckpt.float32("model.layers.0.mlp.down_proj.weight")))
+    assert np.array_equal(layer.down, want)
+    assert not np.array_equal(layer.down, ckpt.float32("model.layers.0.mlp.down_proj.weight"))
+    assert np.array_equal(llm.runner.target.embed_tokens, ckpt.float32("model.embed_tokens.weight"))
+    assert set(llm.runner.weight_memory["target"].stored) == {"nvfp4", "bf16"}
+    w = np.linspace(-3, 3, 5 * 24, dtype=np.float32).reshape(5, 24)
+    from cudflash.quant import quantize_weight
+    assert quantize_weight(w, "nvfp4") is None and quantize_weight(w[:, :16], "nvfp4").format == "nvfp4"
+    zeros = quantize_nvfp4(np.zeros((2, 32), np.float32))
+    assert not np.any(dequantize(zeros)) and zeros.global_scale[0] == 1
+    assert np.isnan(dequantize(quantize_nvfp4(np.full((2, 16), np.inf, np.float32)))).all()
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -515,12 +543,13 @@ def _prompt_file(tmp_path: Path) -> Path:
 PAIR_PROMPTS = 6  # of its 32 dev prompts: scripts/quant_tau.py measures all of them
 
 
-@pytest.mark.parametrize("variant", ["fp8 at load", "fp8 at load with the head", "nvfp4 on disk"])
+@pytest.mark.parametrize("variant", ["fp8 at load", "fp8 at load with the head", "nvfp4 on disk", "nvfp4 at load"])
 def test_tiny_pair_quantized_speculative_greedy_equals_autoregressive(tiny_pair, tmp_path, variant):
     from tests.quant_checkpoints import copy_side_files, write_quantized
 
     prompts = json.loads((tiny_pair / "prompts_dev.json").read_text())["prompts"][:PAIR_PROMPTS]
-    target, kw = tiny_pair / "target", {"quantize": "fp8", "quantize_lm_head": variant.endswith("head")}
+    target, kw = tiny_pair / "target", {"quantize": variant[:variant.index(" ")],
+                                        "quantize_lm_head": variant.endswith("head")}
     if variant == "nvfp4 on disk":
         ckpt = Checkpoint(target)
         config = json.loads((target / "config.json").read_text())
@@ -530,7 +559,7 @@ def test_tiny_pair_quantized_speculative_greedy_equals_autoregressive(tiny_pair,
         kw = {}
     params = SamplingParams(max_tokens=128, ignore_eos=True)
     llm = LLM(target, draft=tiny_pair / "drafter", backend="cpu", **kw)
-    assert set(llm.runner.weight_memory["target"].stored) == {"fp8" if kw else "nvfp4", "bf16"}
+    assert set(llm.runner.weight_memory["target"].stored) == {variant[:variant.index(" ")], "bf16"}
     spec = llm.generate(prompts, params)
     ar = LLM(target, backend="cpu", **kw).generate(prompts, params)
     assert [s.token_ids for s in spec] == [a.token_ids for a in ar]

@@ -220,7 +220,7 @@ class ModelRunner:
         max_model_len sequence, this load keeps the codes on the device instead (quant/memory.py), and says so.
         Hybrid targets always dequantize: quantized weights on the device are refused for them by name."""
         tuning = getattr(backend, "tuning", None)
-        fmt = "fp8" if quantize == "fp8" else target_quant.format if target_quant is not None else None
+        fmt = quantize or (target_quant.format if target_quant is not None else None)
         if tuning is None or fmt not in ("fp8", "nvfp4"):
             return
         flag = f"{fmt}_on_device"

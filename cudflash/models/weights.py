@@ -16,7 +16,7 @@ from cudflash.backends.base import Backend
 from cudflash.checkpoint import Checkpoint, bf16_bits_to_float32
 from cudflash.model_files import shown
 from cudflash.errors import CheckpointError
-from cudflash.quant import QuantizedWeight, QuantScheme, concat_rows, dequantize, quantize_fp8_block, read_quantized
+from cudflash.quant import QuantizedWeight, QuantScheme, concat_rows, dequantize, quantize_weight, read_quantized
 from cudflash.quant.reader import is_quantized
 
 
@@ -67,9 +67,10 @@ class WeightLoader:
     NONZERO_SUFFIXES, nothing but zeros: one reduction per tensor on the backend, after its conversion.
 
     `quant`: the checkpoint's declared quantization (quant.read_quant_scheme); its quantized tensors load through
-    Backend.load_quantized, every other tensor as it is stored. `quantize`: "fp8" turns the bf16 / f16 / f32 tensors
-    in QUANTIZE_SUFFIXES into 128x128 block-scaled FP8 as they are read (quantize_fp8_block). `quantize_lm_head`:
-    the same for the LM head (`lm_head.weight`, or the tied head: `tied_head`), whatever `quantize` says."""
+    Backend.load_quantized, every other tensor as it is stored. `quantize`: "fp8" / "nvfp4" turns the bf16 / f16 /
+    f32 tensors in QUANTIZE_SUFFIXES into 128x128 block-scaled FP8 / NVFP4 as they are read (quant.quantize_weight;
+    NVFP4 leaves a matrix whose K is not a multiple of 16 as stored). `quantize_lm_head`: the LM head (`lm_head.weight`,
+    or the tied head: `tied_head`) into block-scaled FP8, whatever `quantize` says."""
 
     def __init__(self, ckpt: Checkpoint, backend: Backend, prefix: str = "",
                  progress: Callable[[int], None] | None = None, check_weights: bool = True,
@@ -93,10 +94,11 @@ class WeightLoader:
             return embedding
         return self._upload(self.prefix + embed_name, self.read(embed_name, shape, quantize=True))
 
-    def _quantizes(self, name: str) -> bool:
-        """Whether `name`, read as stored in bf16 / f16 / f32, becomes block-scaled FP8 at load."""
-        return (self.quantize is not None and name.endswith(QUANTIZE_SUFFIXES)) or (
-            self.quantize_lm_head and name == "lm_head.weight")
+    def _quantizes(self, name: str) -> str | None:
+        """The format `name`, read as stored in bf16 / f16 / f32, is quantized to at load (None: kept as stored)."""
+        if self.quantize_lm_head and name == "lm_head.weight":
+            return "fp8"
+        return self.quantize if self.quantize is not None and name.endswith(QUANTIZE_SUFFIXES) else None
 
     def get_slices(self, name: str, shape: tuple[int, ...], axis: int, ranges: list[range]) -> Any:
         """The tensor's indices `ranges` along `axis`, concatenated (a tensor-parallel rank's shard): checked
@@ -114,6 +116,7 @@ class WeightLoader:
         """The tensor as the backend will get it, checked against `shape` (logical: [N, K] for a packed weight):
         a QuantizedWeight, or (safetensors dtype, read-only storage view). quantize: turn a stored bf16 / f16 / f32
         matrix into block-scaled FP8 (default: as `quantize` says for its name)."""
+        fmt = self._quantizes(name) if quantize is None else "fp8" if quantize else None
         full = self.prefix + name
         if self.quant is not None or is_quantized(self.ckpt, full):
             qw = read_quantized(self.ckpt, full, shape, self.quant)
@@ -122,9 +125,11 @@ class WeightLoader:
                 return qw
         dtype, raw = self.ckpt.raw(full, shape)
         self._progress(raw.nbytes)
-        if len(shape) == 2 and (self._quantizes(name) if quantize is None else quantize):
+        if len(shape) == 2 and fmt is not None:
             w = bf16_bits_to_float32(raw) if dtype == "BF16" else raw.astype(np.float32)
-            return quantize_fp8_block(w, source=f"{self.ckpt.info(full).file.name}: {full}, quantized at load")
+            qw = quantize_weight(w, fmt, source=f"{self.ckpt.info(full).file.name}: {full}, quantized at load")
+            if qw is not None:
+                return qw
         return dtype, raw
 
     def _progress(self, nbytes: int) -> None:

@@ -6,6 +6,8 @@ against what the checkpoints already are, before anything loads.
   checkpoint that is already block-scaled FP8 with 128x128 blocks (the Qwen -FP8 layout) it is a no-op: the
   release's codes, scales and unquantized modules are kept as they are. On any other quantized checkpoint it is
   refused: that would be dequantize-then-requantize, which changes a released model.
+- quantize="nvfp4": the same into NVFP4 (the ModelOpt weight recipe, quant.quantize_nvfp4: weight-only, no
+  calibration); a no-op on an NVFP4 checkpoint, refused on any other quantized one.
 - quantize_lm_head: the target's LM head (or, for tied embeddings, a copy of the embedding as the head, the embedding
   itself staying as stored) becomes 128x128 block-scaled FP8 at load, on any target: every decode, verify and
   propose step reads it (the drafter borrows it), 1.24 GB of bf16 at Qwen3-8B. Off by default: the releases keep
@@ -22,7 +24,7 @@ from cudflash.errors import ConfigError
 from cudflash.quant.scheme import QuantScheme, read_quant_scheme
 from cudflash.quant.weight import FP8_BLOCK
 
-QUANTIZE_CHOICES = ("fp8",)  # quantize="nvfp4" at load would need the W4A16 kernel to pay off first
+QUANTIZE_CHOICES = ("fp8", "nvfp4")
 
 
 def check_quantize(target: str | Path, draft: str | Path | None, quantize: object, quantize_draft: object,
@@ -53,7 +55,9 @@ def check_quantize(target: str | Path, draft: str | Path | None, quantize: objec
                               "weights on the device with --weights fp8")
         return None
     scheme = read_quant_scheme(target)
-    if quantize is not None and scheme is not None and not (scheme.method == "fp8" and scheme.block == FP8_BLOCK):
+    same = scheme is not None and ((quantize == "fp8" and scheme.method == "fp8" and scheme.block == FP8_BLOCK) or
+                                   (quantize == "nvfp4" and scheme.format == "nvfp4"))
+    if quantize is not None and scheme is not None and not same:
         raise ConfigError(f"{scheme.source}: quantize={quantize!r} on a checkpoint already quantized as "
                           f"{scheme.method}{'' if scheme.block is None else ' ' + str(list(scheme.block))}: "
                           f"requantizing a released model is refused; load it without quantize")

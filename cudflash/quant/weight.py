@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cudflash.quant.numerics import E4M3_MAX, decode_e2m1, decode_e4m3, encode_e4m3, unpack_e2m1
+from cudflash.quant.numerics import (E2M1_MAX, E4M3_MAX, decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3,
+                                     pack_e2m1, unpack_e2m1)
 
 FORMATS = ("fp8", "nvfp4")
 NVFP4_GROUP = 16
@@ -150,3 +151,35 @@ def quantize_fp8_block(w: np.ndarray, block: tuple[int, int] = FP8_BLOCK, source
     with np.errstate(invalid="ignore"):
         codes = encode_e4m3(w / full)
     return QuantizedWeight("fp8", (n, k), codes, scale, block, source=source or "quantized at load")
+
+
+def quantize_nvfp4(w: np.ndarray, source: str = "") -> QuantizedWeight:
+    """A float32 weight [N, K] (K % 16 == 0) as NVFP4, the ModelOpt recipe for weights: global scale amax / (6 * 448),
+    each 16 columns' scale the E4M3 of their amax / (6 * global), codes the E2M1 (nearest, ties to even) of
+    w / (scale * global). All zeros: global scale 1. A NaN or Inf gives a NaN global scale (and zero codes), which
+    the loader's finiteness check then refuses by name."""
+    n, k = w.shape
+    w = np.asarray(w, dtype=np.float32)
+    if not np.all(np.isfinite(w)):
+        return QuantizedWeight("nvfp4", (n, k), np.zeros((n, k // 2), np.uint8), np.zeros((n, k // NVFP4_GROUP),
+                               np.uint8), (1, NVFP4_GROUP), np.array([np.nan], np.float32),
+                               source=source or "quantized at load")
+    amax = np.abs(w).max() if w.size else np.float32(0)
+    g = np.float32(amax / np.float32(E2M1_MAX * E4M3_MAX)) if amax > 0 else np.float32(1)
+    blocks = w.reshape(n, k // NVFP4_GROUP, NVFP4_GROUP)
+    scale_codes = encode_e4m3(np.abs(blocks).max(axis=2) / (np.float32(E2M1_MAX) * g))
+    scale = decode_e4m3(scale_codes)
+    denom = np.where(scale > 0, scale * g, 1).astype(np.float32)
+    codes = encode_e2m1((blocks / denom[:, :, None]).reshape(n, k))
+    return QuantizedWeight("nvfp4", (n, k), pack_e2m1(codes), scale_codes, (1, NVFP4_GROUP),
+                           np.array([g], np.float32), source=source or "quantized at load")
+
+
+def quantize_weight(w: np.ndarray, fmt: str, source: str = "") -> QuantizedWeight | None:
+    """quantize="fp8" / "nvfp4" at load for one float32 matrix; None where the format cannot hold it (NVFP4 needs
+    K % 16 == 0: such a weight stays as stored)."""
+    if fmt == "fp8":
+        return quantize_fp8_block(w, source=source)
+    if fmt == "nvfp4":
+        return quantize_nvfp4(w, source=source) if w.shape[1] % NVFP4_GROUP == 0 else None
+    raise ValueError(f"unknown quantize format {fmt!r}")
