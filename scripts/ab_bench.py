@@ -1,9 +1,11 @@
-"""A/B of `cudflash bench` between two source trees on one machine, in one call: rounds alternate A, B, A, B, ...
+"""A/B (or a bisect: A/B/C/...) of `cudflash bench` between source trees on one machine, in one call: rounds go
+round robin A, B, C, A, B, C, ... so that drift hits every tree alike.
 
-Usage: python3 scripts/ab_bench.py A_DIR B_DIR [--rounds N] [-- bench arguments]
+Usage: python3 scripts/ab_bench.py A_DIR B_DIR [MORE_DIRS ...] [--rounds N] [-- bench arguments]
 Each tree is a folder holding `cudflash/` and `kernels/` (e.g. `git archive COMMIT cudflash kernels | tar -x -C DIR`;
-`.` for this checkout). The bench arguments default to `--synthetic qwen3-8b --backend cuda --batch 1 --prompt-len
-512 --new 20`. Prints, per batch size, each tree's per-round step times and their medians, and B against A.
+`.` for this checkout); relative paths are taken from the current folder. The bench arguments default to
+`--synthetic qwen3-8b --backend cuda --batch 1 --prompt-len 512 --new 20`. Prints, per batch size and field, each
+tree's per-round step times, their median, and the median against A's.
 """
 from __future__ import annotations
 
@@ -36,21 +38,26 @@ def main(argv: list[str]) -> None:
         i = own.index("--rounds")
         rounds = int(own[i + 1])
         del own[i:i + 2]
-    trees = [Path(own[0]), Path(own[1])]
+    if len(own) < 2:
+        raise SystemExit(__doc__)
+    trees = [Path(t).resolve() for t in own]
     args = DEFAULT + extra  # later options override earlier ones in argparse
-    runs: list[list[dict]] = [[], []]
+    runs: list[list[dict]] = [[] for _ in trees]
     for _ in range(rounds):
         for k, tree in enumerate(trees):
             runs[k].append(bench(tree, args))
-    print(f"A = {trees[0]}   B = {trees[1]}   {rounds} rounds, alternating; bench {' '.join(args)}")
-    print(f"{'batch':>5} {'field':>13} {'A rounds':>24} {'B rounds':>24} {'A med':>8} {'B med':>8} {'B/A':>7}")
+    print(f"{rounds} rounds, round robin; bench {' '.join(args)}")
+    for k, tree in enumerate(trees):
+        print(f"  {chr(65 + k)} = {tree}")
+    print(f"{'batch':>5} {'field':>13} {'tree':>4} {'rounds':>30} {'median':>8} {'/ A':>7}")
     for batch in sorted(runs[0][0]):
         for f in FIELDS:
-            a = [r[batch][f] for r in runs[0]]
-            b = [r[batch][f] for r in runs[1]]
-            ma, mb = statistics.median(a), statistics.median(b)
-            print(f"{batch:>5} {f:>13} {' '.join(f'{x:.3f}' for x in a):>24} {' '.join(f'{x:.3f}' for x in b):>24} "
-                  f"{ma:>8.3f} {mb:>8.3f} {mb / ma:>7.3f}")
+            base = statistics.median(r[batch][f] for r in runs[0])
+            for k in range(len(trees)):
+                times = [r[batch][f] for r in runs[k]]
+                med = statistics.median(times)
+                print(f"{batch:>5} {f:>13} {chr(65 + k):>4} {' '.join(f'{x:.3f}' for x in times):>30} "
+                      f"{med:>8.3f} {med / base:>7.3f}")
 
 
 if __name__ == "__main__":
