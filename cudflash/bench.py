@@ -347,17 +347,23 @@ def format_table(results: list[BatchResult], copy_gb_s: float | None) -> str:
     return "\n".join(lines)
 
 
-def synthetic_quantized(target: Any, backend: Any, weights: str, std: float = 0.02, lm_head: bool = False) -> None:
+def synthetic_quantized(target: Any, backend: Any, weights: str, std: float = 0.02, lm_head: bool = False,
+                        draft: Any = None) -> None:
     """Replace the synthetic target's linear weights (every layer's qkv, o_proj, gate_up, down) by FP8 or NVFP4
     weights (`weights`) of the same shapes made on the device (fp8_weight.random_fp8, fp4_weight.random_fp4), as an
     FP8 / NVFP4 checkpoint kept on the device holds them; the embedding stays bf16, and so does the LM head (as in
     the Qwen -FP8 releases) unless `lm_head` (quantize_lm_head: a head in that format beside a tied embedding too).
-    Before the first step, so every captured graph reads them."""
+    `draft` (quantize_draft): the drafter's projections too (its layers' q, o, gate_up, down and the fused K/V; fc
+    and the heads stay bf16, as quantize_draft leaves them). Before the first step, so every captured graph reads
+    them."""
     if backend.name != "cuda":
         raise BackendError(f"bench --weights {weights} needs the cuda backend (the weights are made on the device)")
     if any(not hasattr(layer, "qkv") for layer in target.layers):
         raise BackendError(f"bench --weights {weights} replaces a dense target's projections; a hybrid target's GDN "
                            f"and gated-attention layers have others (use --weights bf16)")
+    if draft is not None and not hasattr(draft, "fused_kv"):
+        raise BackendError(f"bench --quantize-draft replaces a DFlash-layout drafter's projections; "
+                           f"{type(draft).__name__} has others")
     from cudflash.backends.fp4_weight import random_fp4
     from cudflash.backends.fp8_weight import random_fp8
 
@@ -367,6 +373,11 @@ def synthetic_quantized(target: Any, backend: Any, weights: str, std: float = 0.
             setattr(layer, name, make(getattr(layer, name).shape, std, seed=1000 + 4 * i + j))
     if lm_head:
         target.lm_head = make(target.lm_head.shape, std, seed=999)
+    if draft is not None:
+        for i, layer in enumerate(draft.layers):
+            for j, name in enumerate(("q_proj", "o_proj", "gate_up", "down")):
+                setattr(layer, name, make(getattr(layer, name).shape, std, seed=2000 + 4 * i + j))
+        draft.fused_kv = make(draft.fused_kv.shape, std, seed=1999)
 
 
 @dataclass(frozen=True, slots=True)
@@ -457,11 +468,13 @@ def run_bench(args, tuning: CudaTuning | None = None) -> str:
               progress=not synthetic, memory_utilization=args.gpu_memory_utilization,
               enforce_eager=args.enforce_eager, tuning=tuning,
               draft_options=draft_options(args),
-              quantize=getattr(args, "quantize", None), quantize_draft=getattr(args, "quantize_draft", False),
+              quantize=getattr(args, "quantize", None),
+              quantize_draft=getattr(args, "quantize_draft", False) and not synthetic,
               quantize_lm_head=getattr(args, "quantize_lm_head", False) and not synthetic)
     weights = getattr(args, "weights", "bf16")
     if weights != "bf16":
-        synthetic_quantized(llm.runner.target, llm.backend, weights, lm_head=getattr(args, "quantize_lm_head", False))
+        synthetic_quantized(llm.runner.target, llm.backend, weights, lm_head=getattr(args, "quantize_lm_head", False),
+                            draft=llm.runner.draft if getattr(args, "quantize_draft", False) else None)
     memory = weight_memory(llm)
     copy = copy_bandwidth_gb_s(llm.backend)
     report: dict[str, Any] = {"backend": llm.backend.name, "model": args.synthetic or str(target),

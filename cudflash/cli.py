@@ -246,6 +246,9 @@ def run_bench_command(args: argparse.Namespace) -> None:
     if args.quantize_lm_head and args.synthetic is not None and args.weights == "bf16":
         raise RequestError("bench --quantize-lm-head with --synthetic goes with --weights fp8 or nvfp4 (the "
                            "quantized weights are made on the device)")
+    if args.quantize_draft and args.synthetic is not None and args.weights == "bf16":
+        raise RequestError("bench --quantize-draft with --synthetic goes with --weights fp8 or nvfp4 (the drafter's "
+                           "quantized weights are made on the device)")
     if args.weights != "bf16" and args.backend == "cpu":
         raise RequestError(f"bench --weights {args.weights} needs the cuda backend (the weights are made on the device)")
     if args.json is not None and not args.json.parent.is_dir():

@@ -123,6 +123,26 @@ def test_bench_weights_fp8_needs_synthetic_weights_and_the_gpu(tiny_pair):
     r = subprocess.run([sys.executable, "-m", "cudflash", "bench", "--synthetic", "tiny", "--weights", "fp8",
                         "--backend", "cpu", "--prompt-len", "8", "--new", "1"], capture_output=True, text=True)
     assert r.returncode != 0 and "needs the cuda backend" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "cudflash", "bench", "--synthetic", "tiny", "--quantize-draft",
+                        "--backend", "cpu"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--quantize-draft with --synthetic goes with --weights" in r.stderr
+
+
+def test_a_synthetic_quantized_drafter_needs_the_dflash_layout():
+    from cudflash.bench import synthetic_quantized
+    from cudflash.errors import BackendError
+
+    class Cuda:
+        name = "cuda"
+
+    class Target:
+        layers = []
+
+    class OtherDrafter:
+        layers = []
+
+    with pytest.raises(BackendError, match="OtherDrafter"):
+        synthetic_quantized(Target(), Cuda(), "fp8", draft=OtherDrafter())
 
 
 def test_phase_floors_are_bytes_over_the_copy_bandwidth():

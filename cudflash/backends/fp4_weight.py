@@ -48,6 +48,13 @@ class Fp4Weight:
         """The bytes a GEMM over this weight reads: codes, scale bytes and the global scales."""
         return int(self.data.nbytes + self.scale.nbytes + self.gscale.nbytes)
 
+    def __getitem__(self, rows: slice) -> Fp4Weight:
+        """Rows lo:hi as a weight of their own (views of the codes, scales and global scales: a layer's rows of the
+        drafter's fused K/V weight)."""
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise TypeError(f"an Fp4Weight takes a slice of rows, got {rows!r}")
+        return Fp4Weight(self.data[rows], self.scale[rows], self.gscale[rows])
+
     def any_nonzero(self) -> bool:
         words = self.data.view(cupy.uint32)
         return bool(cupy.any(words & cupy.uint32(~_SIGN_BITS & 0xFFFFFFFF))) and bool(cupy.any(self.gscale != 0))

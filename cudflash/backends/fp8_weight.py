@@ -47,6 +47,13 @@ class Fp8Weight:
         """The bytes a GEMM over this weight reads: codes, scales and the row map."""
         return int(self.data.nbytes + self.scale.nbytes + self.rows.nbytes)
 
+    def __getitem__(self, rows: slice) -> Fp8Weight:
+        """Rows lo:hi as a weight of their own, sharing the codes and the scales (a view: a layer's rows of the
+        drafter's fused K/V weight). The row map keeps pointing into the whole scale array."""
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise TypeError(f"an Fp8Weight takes a slice of rows, got {rows!r}")
+        return Fp8Weight(self.data[rows], self.scale, self.rows[rows])
+
 
 def fits(w: QuantizedWeight) -> bool:
     """Whether an fp8 QuantizedWeight has a scale per 128-column block (or wider blocks that are multiples of 128,

@@ -170,6 +170,20 @@ def test_fp4_epilogues_match_numpy(cb, rng, m):
     check(cb.to_numpy(cb.swiglu(cb.asarray(xa, "act"), w_gu)), nb.swiglu(xa, gu_ref), tol=1e-2)
 
 
+def test_a_row_slice_is_those_rows_of_the_weight(cb, rng):
+    """Fp4Weight[lo:hi] (the drafter's per-layer K/V rows of its fused weight) multiplies as those rows do."""
+    skip_without_tma()
+    qw = quantized(rng, 1024, 1024)
+    w = fp4_weight.upload(qw)
+    x = cb.asarray(rnd(rng, 3, 1024), "act")
+    full = cb.to_numpy(cb.linear(x, w, out_f32=True))
+    part = w[256:512]
+    assert part.shape == (256, 1024)
+    assert np.array_equal(cb.to_numpy(cb.linear(x, part, out_f32=True)), full[:, 256:512])
+    with pytest.raises(TypeError):
+        w[::2]
+
+
 def test_fp4_plans_fit():
     """NVFP4 plans: the same row blocks and grid as bf16, eight compute warps, a ring that fits the request."""
     for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (2560, 9728), (200, 512)):

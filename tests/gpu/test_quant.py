@@ -86,3 +86,22 @@ def test_tiny_pair_nvfp4_on_the_gpu(tiny_pair, tmp_path, nvfp4_on_device):
     assert same >= int(np.ceil(0.95 * len(prompts))), f"spec == AR on {same} of {len(prompts)} prompts"
     tau = np.mean([np.mean(s.acceptance_lengths) for s in spec])
     assert tau > 1.5, tau
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_tiny_pair_with_a_quantized_drafter_on_the_device(tiny_pair, fmt):
+    """quantize_draft with the codes kept on the device: the drafter's fused K/V weight is sliced per layer (an
+    Fp8Weight / Fp4Weight row slice), and spec == AR with a real acceptance."""
+    import json
+
+    prompts = json.loads((tiny_pair / "prompts_dev.json").read_text())["prompts"]
+    params = SamplingParams(max_tokens=128, ignore_eos=True)
+    tuning = {f"{fmt}_on_device": True}
+    gpu = LLM(tiny_pair / "target", draft=tiny_pair / "drafter", backend="cuda", quantize=fmt, quantize_draft=True,
+              tuning=tuning)
+    assert fmt in gpu.runner.weight_memory["drafter"].stored
+    spec = gpu.generate(prompts, params)
+    ar = LLM(tiny_pair / "target", backend="cuda", quantize=fmt, tuning=tuning).generate(prompts, params)
+    same = sum(s.token_ids == a.token_ids for s, a in zip(spec, ar))
+    assert same >= int(np.ceil(0.95 * len(prompts))), f"spec == AR on {same} of {len(prompts)} prompts"
+    assert np.mean([np.mean(s.acceptance_lengths) for s in spec]) > 1.5

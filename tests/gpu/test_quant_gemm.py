@@ -223,6 +223,21 @@ def test_fp8_gemm_in_a_graph_reads_x_after_its_producer(cb, rng, m):
             check(cb.to_numpy(y), ref_gemm(2 * new, qw), tol=1e-5)
 
 
+def test_a_row_slice_is_those_rows_of_the_weight(cb, rng):
+    """Fp8Weight[lo:hi] (the drafter's per-layer K/V rows of its fused weight) multiplies as those rows do, its row
+    map still pointing into the whole scale array (rows off the 128-row grid)."""
+    skip_without_tma()
+    qw = quantized(rng, 1000, 1024)
+    w = fp8_weight.upload(qw)
+    x = cb.asarray(rnd(rng, 3, 1024), "act")
+    full = cb.to_numpy(cb.linear(x, w, out_f32=True))
+    part = w[200:456]
+    assert part.shape == (256, 1024)
+    assert np.array_equal(cb.to_numpy(cb.linear(x, part, out_f32=True)), full[:, 200:456])
+    with pytest.raises(TypeError):
+        w[::2]
+
+
 def test_fp8_plans_fit_and_do_not_depend_on_rows():
     """FP8 plans: the same row blocks and grid as bf16 (the grid is about rows, not bytes), a deeper ring (half the
     bytes per stage), the same shared-memory request (one CTA per SM)."""
