@@ -13,9 +13,9 @@
 // or past M are filled with zeros by the copy engine, and only reach their own (masked) outputs anyway.
 // Work: w's rows form blocks of 16 T; CTA b takes blocks b, b + gridDim.x, ... and streams each in K tiles of
 // KT columns: one ring stage holds a tile's KT / 64 weight boxes and KT / 64 x boxes (layout below).
-// Warps: 0..CW-1 compute (CW = 4, or 8 for W8: two per scheduler, below), warp CW copies (its lane 0 arms a stage's barrier with the byte count and issues the
-// stage's 2 KT / 64 box copies; W8: all its lanes also stage the scales, below). Barriers: full[s] (1 arrival +
-// the bytes; W8: 1 + 32 arrivals), empty[s] (one per compute warp).
+// Warps: 0..CW-1 compute (CW = 4, or 8 for W8 and W4: two per scheduler, below), warp CW copies (its lane 0 arms
+// a stage's barrier with the byte count and issues the stage's box copies; W8: all its lanes also stage the
+// scales, below). Barriers: full[s] (1 arrival + the bytes; W8: 1 + 32 arrivals), empty[s] (one per compute warp).
 // Before griddepcontrol.wait the copy warp requests the weight boxes of the first `prefill` stages; the rest of the
 // ring and x's boxes follow the wait. (A stage or two is the head start; a full ring's prefill only competes with
 // the latency-bound kernels in front for HBM: the tuning's stream_gemm_prefill_stages.)

@@ -36,6 +36,7 @@ def test_the_rotations_tile_a_word():
             assert seen & src == 0
             seen |= src
     assert seen == 0xFFFFFFFF
+    assert L.SIGN_BITS == 0xF000F000  # the signs sit in bits 12..15 and 28..31 of a word
 
 
 def test_every_code_under_every_scale_is_exact():

@@ -21,12 +21,6 @@ from cudflash.backends.tuning import CudaTuning
 from cudflash.errors import BackendError
 from cudflash.quant.weight import NVFP4_GROUP, QuantizedWeight
 
-# The bits of a code word that hold signs (w4_layout.SIGN_ROT): a word is zero in value when the others are zero.
-_SIGN_BITS = 0
-for _r in w4_layout.SIGN_ROT:
-    _SIGN_BITS |= int(w4_layout._rotr(np.uint32(w4_layout.SIGN_MASK), _r, np))
-
-
 @dataclass(frozen=True, eq=False)
 class Fp4Weight:
     data: cupy.ndarray  # [N, K / 2] uint8: code words, 8 codes per 32 bits (w4_layout.pack_codes)
@@ -57,7 +51,8 @@ class Fp4Weight:
 
     def any_nonzero(self) -> bool:
         words = self.data.view(cupy.uint32)
-        return bool(cupy.any(words & cupy.uint32(~_SIGN_BITS & 0xFFFFFFFF))) and bool(cupy.any(self.gscale != 0))
+        magnitudes = cupy.uint32(~w4_layout.SIGN_BITS & 0xFFFFFFFF)
+        return bool(cupy.any(words & magnitudes)) and bool(cupy.any(self.gscale != 0))
 
 
 def fits(w: QuantizedWeight) -> bool:

@@ -41,6 +41,16 @@ PRODUCT_SHIFT = 7  # 126 - SCALE_SHIFT: what the global scale restores
 SCALE_BIAS = 232 << 7  # bf16 bits of (scale * 2^119) = (byte << 4) + SCALE_BIAS
 
 
+def _rotr_int(w: int, r: int) -> int:
+    r %= 32
+    return ((w >> r) | (w << (32 - r))) & 0xFFFFFFFF
+
+
+# The bits of a code word that hold the codes' signs (all the others hold magnitudes: a word of value zero has none).
+SIGN_BITS = _rotr_int(SIGN_MASK, SIGN_ROT[0]) | _rotr_int(SIGN_MASK, SIGN_ROT[1]) | \
+    _rotr_int(SIGN_MASK, SIGN_ROT[2]) | _rotr_int(SIGN_MASK, SIGN_ROT[3])
+
+
 def _rotl(w, r: int, xp):
     r %= 32
     return w if r == 0 else ((w << xp.uint32(r)) | (w >> xp.uint32(32 - r))) & xp.uint32(0xFFFFFFFF)
