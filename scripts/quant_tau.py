@@ -2,8 +2,9 @@
 
 Usage: python3 scripts/quant_tau.py [PAIR_DIR] [--new N] [--backend cpu|cuda]
 PAIR_DIR defaults to ../shared/models/tiny-code-pair. Variants: the bf16 pair; the target quantized to FP8 at load
-(drafter bf16, then drafter FP8 too, then the LM head FP8 too: quantize_lm_head); the target written as a Qwen -FP8 release and as a ModelOpt NVFP4 release
-(tests/quant_checkpoints.py, from its bf16 weights) and loaded as such. For each: tau (mean over prompts of each
+(drafter bf16, then drafter FP8 too, then the LM head FP8 too: quantize_lm_head); the target written as a Qwen -FP8
+release and as a ModelOpt NVFP4 release (tests/quant_checkpoints.py, from its bf16 weights) and loaded as such (NVFP4
+at load is the same recipe: the same model), with the drafter bf16 and NVFP4. For each: tau (mean over prompts of each
 prompt's mean acceptance length, as golden_dev.jsonl defines it), whether speculative greedy == autoregressive
 greedy of the same target on every prompt, and how many prompts' greedy output equals the bf16 target's.
 """
@@ -57,7 +58,9 @@ def main() -> None:
                     ("fp8 at load (drafter fp8)", pair / "target", {"quantize": "fp8", "quantize_draft": True}),
                     ("fp8 at load, FP8 LM head", pair / "target", {"quantize": "fp8", "quantize_lm_head": True}),
                     ("Qwen-FP8 layout on disk", released(pair, "qwen_fp8", Path(tmp)), {}),
-                    ("ModelOpt NVFP4 on disk", released(pair, "modelopt_nvfp4", Path(tmp)), {})]
+                    ("ModelOpt NVFP4 on disk", released(pair, "modelopt_nvfp4", Path(tmp)), {}),
+                    ("nvfp4 at load (drafter bf16)", pair / "target", {"quantize": "nvfp4"}),
+                    ("nvfp4 at load (drafter nvfp4)", pair / "target", {"quantize": "nvfp4", "quantize_draft": True})]
         base_ar = None
         print(f"{len(prompts)} prompts, {args.new} new tokens, backend {args.backend}")
         print(f"{'variant':<30} {'tau':>6} {'vs bf16':>8} {'spec == AR':>11} {'AR == bf16 AR':>14}")

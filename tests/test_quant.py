@@ -349,6 +349,9 @@ def test_quantize_nvfp4_at_load_is_the_modelopt_recipe(tmp_path):
     w = np.linspace(-3, 3, 5 * 24, dtype=np.float32).reshape(5, 24)
     from cudflash.quant import quantize_weight
     assert quantize_weight(w, "nvfp4") is None and quantize_weight(w[:, :16], "nvfp4").format == "nvfp4"
+    with_head = LLM(target, backend="cpu", kv_block_size=8, quantize="nvfp4", quantize_lm_head=True)
+    assert set(with_head.runner.weight_memory["target"].stored) == {"nvfp4", "fp8", "bf16"}  # the head in FP8
+    assert np.array_equal(with_head.runner.target.layers[0].down, want)
     zeros = quantize_nvfp4(np.zeros((2, 32), np.float32))
     assert not np.any(dequantize(zeros)) and zeros.global_scale[0] == 1
     assert np.isnan(dequantize(quantize_nvfp4(np.full((2, 16), np.inf, np.float32)))).all()
