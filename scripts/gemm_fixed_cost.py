@@ -1,0 +1,83 @@
+"""What one streaming GEMM costs beyond its bytes, per weight format: time = fixed + bytes / rate, fitted over N.
+
+For each format (bf16, fp8, nvfp4) and rows (1: decode, x resident; 16: verify, x in boxes), K = 4096 and N from 512
+to 24576 rows: the median per-GEMM time of a CUDA graph of back-to-back launches (PDL between them, as in a
+captured step; the weights taken in turn from copies larger than L2, as in scripts/quant_gemm_ab.py), then a least
+squares line through (bytes, us). The intercept is the fixed cost of a GEMM (launch, the wait for the kernel in front,
+x's load, the pipeline's fill and drain, the final sums); the slope's inverse the rate a long GEMM streams at, beside
+the measured copy bandwidth. Issue 23: is a quantized step short of its floor by a cost per GEMM (144 of them in a
+Qwen3-8B step) or by a rate?
+
+Usage: PYTHONPATH=$PWD python3 scripts/gemm_fixed_cost.py [NAME=VALUE ...]   (a base tuning, as `cudflash bench --tune`)
+"""
+from __future__ import annotations
+
+import sys
+
+import cupy
+import numpy as np
+
+from cudflash.backends import stream_gemm as sg
+from cudflash.backends.cuda_backend import CudaBackend
+from cudflash.backends.tuning import parse_tuning
+from cudflash.bench import copy_bandwidth_gb_s
+from cudflash.errors import ConfigError
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from quant_gemm_ab import FORMATS, REPS, STREAM_BYTES, median_replay_us  # noqa: E402
+
+K = 4096
+NS = (512, 1024, 2048, 4096, 8192, 16384, 24576)
+ROWS = (1, 16)
+
+
+def main() -> None:
+    try:
+        base = parse_tuning(sys.argv[1:])
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
+    cb = CudaBackend(tuning=base)
+    if not sg.available():
+        raise SystemExit("needs sm_90 and the driver's tensor-map encoder")
+    sms, stream = cb.num_sms, cb.stream
+    copy = copy_bandwidth_gb_s(cb)
+    rng = np.random.default_rng(0)
+    print(f"copy bandwidth {copy:.0f} GB/s (read + write); {sms} SMs; K = {K}; base tuning {base.changed() or 'defaults'}")
+    xs = {m: cb.asarray(rng.standard_normal((m, K)).astype(np.float32), "act") for m in ROWS}
+    for fmt, make in FORMATS.items():
+        firsts = {n: make((n, K), 0.02, seed=n) for n in NS}
+        # Every instantiation this format needs, compiled as one module (one NVRTC call, not one per shape).
+        names = tuple(sorted({sg.kernel_name(m, firsts[n], cupy.empty((m, 1), cupy.float32), sms, base)
+                              for n in NS for m in ROWS}))
+        for m in ROWS:
+            points = []
+            for n in NS:
+                first = firsts[n]
+                ws = [first] + [make((n, K), 0.02, seed=n + j) for j in range(1, -(-STREAM_BYTES // first.nbytes))]
+                y = cupy.empty((m, n), cupy.float32)
+
+                def launch(w):
+                    sg._launch(xs[m], w, y, sms, base, sg.PLAIN, sg.Epilogue(), names=names)
+
+                launch(first)
+                stream.synchronize()
+                launches = max(REPS, len(ws))
+                with stream:
+                    stream.begin_capture()
+                    for r in range(launches):
+                        launch(ws[r % len(ws)])
+                    graph = stream.end_capture()
+                us = median_replay_us(stream, {fmt: (graph, launches)})[fmt]
+                points.append((first.nbytes, us))
+                del ws, graph
+            b = np.array([p[0] for p in points], dtype=np.float64)
+            t = np.array([p[1] for p in points], dtype=np.float64)
+            slope, fixed = np.polyfit(b, t, 1)  # us per byte, us
+            rate = 1e-3 / slope  # GB/s
+            cells = "  ".join(f"N {n}: {u:6.2f} us" for n, (_, u) in zip(NS, points))
+            print(f"{fmt:6s} rows {m:2d}: fixed {fixed:5.2f} us, rate {rate:5.0f} GB/s ({100 * rate / copy:4.1f}% of "
+                  f"copy)  |  {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
