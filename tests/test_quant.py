@@ -94,6 +94,22 @@ def test_e2m1_table_order_and_encoding():
     assert decode_e2m1(encode_e2m1(ties)).tolist() == [0, 1, 1, 2, 2, 4, 4, 6, -4]
 
 
+def test_e2m1_encoding_is_the_nearest_magnitude_everywhere():
+    """encode_e2m1 against the definition (float64 distance to every magnitude, a tie to the even code) on random
+    values and on the float32 neighbours of every midpoint, both signs, with -0, infinities and subnormals."""
+    rng = np.random.default_rng(2)
+    mids = np.array([0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0], np.float32)
+    near = np.concatenate([mids, np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf))])
+    x = np.concatenate([rng.standard_normal(20000).astype(np.float32) * 3, near, -near,
+                        np.array([np.inf, -np.inf, 1e-40, -0.0], np.float32)])
+    mags = E2M1[:8].astype(np.float64)
+    dist = np.abs(np.minimum(np.abs(x.astype(np.float64)), 6.0)[:, None] - mags)
+    best = dist.argmin(axis=1)  # the lower code on a tie
+    up = (best % 2 == 1) & (best < 7) & (dist[np.arange(x.size), np.minimum(best + 1, 7)] == dist.min(axis=1))
+    want = (best + up) | (np.signbit(x).astype(np.int64) << 3)
+    assert np.array_equal(encode_e2m1(x), want.astype(np.uint8))
+
+
 # ---- the in-memory weight
 def _random_fp8(rng, n, k, block) -> QuantizedWeight:
     codes = rng.integers(0, 256, (n, k)).astype(np.uint8)
