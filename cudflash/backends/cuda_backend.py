@@ -33,6 +33,7 @@ from cudflash.backends.cuda_util import (
     f32_to_bf16_bits,
     i32,
     i64,
+    interleave_groups_of_8,
     rows_any,
     vec_rows,
 )
@@ -426,13 +427,10 @@ class CudaBackend:
             return fp4_weight.interleave_gate_up(gate, up)
         if type(gate) is not type(up):
             raise BackendError("cuda gate_up: gate and up must have one format (both bf16, FP8 or NVFP4)")
-        inter, h = gate.shape
+        inter = gate.shape[0]
         if up.shape != gate.shape or inter % 8:
             raise BackendError(f"cuda gate_up: gate {gate.shape} and up {up.shape} must match, rows a multiple of 8")
-        out = cupy.empty((inter // 8, 2, 8, h), dtype=cupy.uint16)  # [groups, gate | up, 8 rows, H]
-        out[:, 0] = bits(gate).reshape(inter // 8, 8, h)
-        out[:, 1] = bits(up).reshape(inter // 8, 8, h)
-        return out.reshape(2 * inter, h).view(self.act)
+        return interleave_groups_of_8(bits(gate), bits(up)).view(self.act)
 
     def swiglu(self, x: cupy.ndarray | DeferredNorm, gate_up: cupy.ndarray) -> cupy.ndarray:
         if gate_up.shape[0] % 16:

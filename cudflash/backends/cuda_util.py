@@ -95,6 +95,16 @@ def rows_any(x: cupy.ndarray, what: str) -> tuple[cupy.ndarray, int]:
     return cupy.ascontiguousarray(x), x.shape[1]
 
 
+def interleave_groups_of_8(a: cupy.ndarray, b: cupy.ndarray) -> cupy.ndarray:
+    """Rows of a and b (the same shape [N, ...], N % 8 == 0) in groups of 8: a's rows 8 j .. 8 j + 7, then b's, for
+    j = 0, 1, ...: [2 N, ...]. The row order of CudaBackend.gate_up_weight (gate, up) for every weight format."""
+    n, rest = a.shape[0], a.shape[1:]
+    out = cupy.empty((n // 8, 2, 8) + rest, dtype=a.dtype)  # [groups, a | b, 8 rows, ...]
+    out[:, 0] = a.reshape((n // 8, 8) + rest)
+    out[:, 1] = b.reshape((n // 8, 8) + rest)
+    return out.reshape((2 * n,) + rest)
+
+
 def device_i32(x) -> cupy.ndarray:
     """An int32 device array (uploading host arrays; device arrays of another int type are converted)."""
     if isinstance(x, cupy.ndarray):

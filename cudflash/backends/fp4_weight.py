@@ -16,10 +16,11 @@ import cupy
 import numpy as np
 
 from cudflash.backends import kernel_loader, w4_layout
-from cudflash.backends.cuda_util import THREADS, cdiv, i32
+from cudflash.backends.cuda_util import THREADS, cdiv, i32, interleave_groups_of_8
 from cudflash.backends.tuning import CudaTuning
 from cudflash.errors import BackendError
 from cudflash.quant.weight import NVFP4_GROUP, QuantizedWeight
+
 
 @dataclass(frozen=True, eq=False)
 class Fp4Weight:
@@ -80,19 +81,10 @@ def upload(w: QuantizedWeight) -> Fp4Weight:
 def interleave_gate_up(gate: Fp4Weight, up: Fp4Weight) -> Fp4Weight:
     """The gate_up weight of CudaBackend.gate_up_weight (rows in groups of 8: gate 8 j .. 8 j + 7, then up's), each
     row with its own scales."""
-    inter, h = gate.shape
+    inter = gate.shape[0]
     if up.shape != gate.shape or inter % 8:
         raise BackendError(f"cuda gate_up: gate {gate.shape} and up {up.shape} must match, rows a multiple of 8")
-
-    def interleave(a: cupy.ndarray, b: cupy.ndarray) -> cupy.ndarray:
-        rest = a.shape[1:]
-        out = cupy.empty((inter // 8, 2, 8) + rest, dtype=a.dtype)
-        out[:, 0] = a.reshape((inter // 8, 8) + rest)
-        out[:, 1] = b.reshape((inter // 8, 8) + rest)
-        return out.reshape((2 * inter,) + rest)
-
-    return Fp4Weight(interleave(gate.data, up.data), interleave(gate.scale, up.scale),
-                     interleave(gate.gscale, up.gscale))
+    return Fp4Weight(*(interleave_groups_of_8(getattr(gate, f), getattr(up, f)) for f in ("data", "scale", "gscale")))
 
 
 def dequantize_bf16(w: Fp4Weight, act: np.dtype, tuning: CudaTuning) -> cupy.ndarray:

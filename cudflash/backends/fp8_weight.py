@@ -17,7 +17,7 @@ import cupy
 import numpy as np
 
 from cudflash.backends import kernel_loader
-from cudflash.backends.cuda_util import THREADS, cdiv, i32
+from cudflash.backends.cuda_util import THREADS, cdiv, i32, interleave_groups_of_8
 from cudflash.backends.tuning import CudaTuning
 from cudflash.errors import BackendError
 from cudflash.quant.numerics import encode_e4m3
@@ -78,16 +78,11 @@ def upload(w: QuantizedWeight) -> Fp8Weight:
 def interleave_gate_up(gate: Fp8Weight, up: Fp8Weight) -> Fp8Weight:
     """The gate_up weight of CudaBackend.gate_up_weight (rows in groups of 8: gate 8 j .. 8 j + 7, then up's), each
     row keeping its own scale row: up's scale rows follow gate's."""
-    inter, h = gate.shape
+    inter = gate.shape[0]
     if up.shape != gate.shape or inter % 8 or up.scale.shape[1] != gate.scale.shape[1]:
         raise BackendError(f"cuda gate_up: gate {gate.shape} and up {up.shape} must match, rows a multiple of 8")
-    data = cupy.empty((inter // 8, 2, 8, h), dtype=cupy.uint8)  # [groups, gate | up, 8 rows, H]
-    data[:, 0] = gate.data.reshape(inter // 8, 8, h)
-    data[:, 1] = up.data.reshape(inter // 8, 8, h)
-    rows = cupy.empty((inter // 8, 2, 8), dtype=cupy.int32)
-    rows[:, 0] = gate.rows.reshape(inter // 8, 8)
-    rows[:, 1] = up.rows.reshape(inter // 8, 8) + gate.scale.shape[0]
-    return Fp8Weight(data.reshape(2 * inter, h), cupy.concatenate([gate.scale, up.scale]), rows.reshape(-1))
+    return Fp8Weight(interleave_groups_of_8(gate.data, up.data), cupy.concatenate([gate.scale, up.scale]),
+                     interleave_groups_of_8(gate.rows, up.rows + gate.scale.shape[0]))
 
 
 def dequantize_bf16(w: Fp8Weight, act: np.dtype, tuning: CudaTuning) -> cupy.ndarray:

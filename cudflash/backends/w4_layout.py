@@ -41,16 +41,6 @@ PRODUCT_SHIFT = 7  # 126 - SCALE_SHIFT: what the global scale restores
 SCALE_BIAS = 232 << 7  # bf16 bits of (scale * 2^119) = (byte << 4) + SCALE_BIAS
 
 
-def _rotr_int(w: int, r: int) -> int:
-    r %= 32
-    return ((w >> r) | (w << (32 - r))) & 0xFFFFFFFF
-
-
-# The bits of a code word that hold the codes' signs (all the others hold magnitudes: a word of value zero has none).
-SIGN_BITS = _rotr_int(SIGN_MASK, SIGN_ROT[0]) | _rotr_int(SIGN_MASK, SIGN_ROT[1]) | \
-    _rotr_int(SIGN_MASK, SIGN_ROT[2]) | _rotr_int(SIGN_MASK, SIGN_ROT[3])
-
-
 def _rotl(w, r: int, xp):
     r %= 32
     return w if r == 0 else ((w << xp.uint32(r)) | (w >> xp.uint32(32 - r))) & xp.uint32(0xFFFFFFFF)
@@ -58,6 +48,10 @@ def _rotl(w, r: int, xp):
 
 def _rotr(w, r: int, xp):
     return _rotl(w, 32 - r % 32, xp)
+
+
+# The bits of a code word that hold the codes' signs (all the others hold magnitudes: a word of value zero has none).
+SIGN_BITS = int(np.bitwise_or.reduce([_rotr(np.uint32(SIGN_MASK), r, np) for r in SIGN_ROT]))
 
 
 def pack_codes(nibbles, xp=np):
