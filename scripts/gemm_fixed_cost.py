@@ -18,13 +18,10 @@ import cupy
 import numpy as np
 
 from cudflash.backends import stream_gemm as sg
-from cudflash.backends.cuda_backend import CudaBackend
-from cudflash.backends.tuning import parse_tuning
 from cudflash.bench import copy_bandwidth_gb_s
-from cudflash.errors import ConfigError
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from quant_gemm_ab import FORMATS, REPS, STREAM_BYTES, median_replay_us  # noqa: E402
+from quant_gemm_ab import FORMATS, backend_from_argv, captured, copies, median_replay_us  # noqa: E402
 
 K = 4096
 NS = (512, 1024, 2048, 4096, 8192, 16384, 24576)
@@ -32,13 +29,7 @@ ROWS = (1, 16)
 
 
 def main() -> None:
-    try:
-        base = parse_tuning(sys.argv[1:])
-    except ConfigError as e:
-        raise SystemExit(str(e)) from None
-    cb = CudaBackend(tuning=base)
-    if not sg.available():
-        raise SystemExit("needs sm_90 and the driver's tensor-map encoder")
+    base, cb = backend_from_argv(sys.argv[1:])
     sms, stream = cb.num_sms, cb.stream
     copy = copy_bandwidth_gb_s(cb)
     rng = np.random.default_rng(0)
@@ -52,24 +43,15 @@ def main() -> None:
         for m in ROWS:
             points = []
             for n in NS:
-                first = firsts[n]
-                ws = [first] + [make((n, K), 0.02, seed=n + j) for j in range(1, -(-STREAM_BYTES // first.nbytes))]
+                ws = copies(make, (n, K), seed=n, first=firsts[n])
                 y = cupy.empty((m, n), cupy.float32)
 
                 def launch(w):
                     sg._launch(xs[m], w, y, sms, base, sg.PLAIN, sg.Epilogue(), names=names)
 
-                launch(first)
-                stream.synchronize()
-                launches = max(REPS, len(ws))
-                with stream:
-                    stream.begin_capture()
-                    for r in range(launches):
-                        launch(ws[r % len(ws)])
-                    graph = stream.end_capture()
-                us = median_replay_us(stream, {fmt: (graph, launches)})[fmt]
-                points.append((first.nbytes, us))
-                del ws, graph
+                us = median_replay_us(stream, {fmt: captured(stream, launch, ws)})[fmt]
+                points.append((firsts[n].nbytes, us))
+                del ws
             b = np.array([p[0] for p in points], dtype=np.float64)
             t = np.array([p[1] for p in points], dtype=np.float64)
             slope, fixed = np.polyfit(b, t, 1)  # us per byte, us

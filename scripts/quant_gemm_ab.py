@@ -25,7 +25,7 @@ import numpy as np
 from cudflash.backends import fp4_weight, fp8_weight, w4_layout
 from cudflash.backends import stream_gemm as sg
 from cudflash.backends.cuda_backend import CudaBackend
-from cudflash.backends.tuning import parse_tuning
+from cudflash.backends.tuning import CudaTuning, parse_tuning
 from cudflash.bench import copy_bandwidth_gb_s
 from cudflash.errors import ConfigError
 from cudflash.quant.numerics import E4M3_TABLE
@@ -72,14 +72,41 @@ def median_replay_us(stream, graphs: dict[str, tuple[cupy.cuda.Graph, int]]) -> 
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def main() -> None:
+def backend_from_argv(argv: list[str]) -> tuple[CudaTuning, CudaBackend]:
+    """The base tuning the command line names (NAME=VALUE ...) and a CUDA backend with it; exits where the streaming
+    GEMM cannot run."""
     try:
-        base = parse_tuning(sys.argv[1:])
+        base = parse_tuning(argv)
     except ConfigError as e:
         raise SystemExit(str(e)) from None
     cb = CudaBackend(tuning=base)
     if not sg.available():
         raise SystemExit("needs sm_90 and the driver's tensor-map encoder")
+    return base, cb
+
+
+def copies(make, shape: tuple[int, int], seed: int, first=None) -> list:
+    """`first` (made with `seed` if not given) and more weights of the shape, seeds seed + 1, ..., enough to stream
+    STREAM_BYTES per replay."""
+    first = make(shape, 0.02, seed=seed) if first is None else first
+    return [first] + [make(shape, 0.02, seed=seed + j) for j in range(1, -(-STREAM_BYTES // first.nbytes))]
+
+
+def captured(stream, launch, ws: list) -> tuple[cupy.cuda.Graph, int]:
+    """(a graph of max(REPS, len(ws)) launch(w) calls, the weights taken in turn; its launch count), after one
+    launch outside it (compiled, pool and tensor maps warm)."""
+    launch(ws[0])
+    stream.synchronize()
+    launches = max(REPS, len(ws))
+    with stream:
+        stream.begin_capture()
+        for r in range(launches):
+            launch(ws[r % len(ws)])
+        return stream.end_capture(), launches
+
+
+def main() -> None:
+    base, cb = backend_from_argv(sys.argv[1:])
     sms = cb.num_sms
     rng = np.random.default_rng(0)
     stream = cb.stream  # the backend's (current) stream: every launch and capture here is on it
@@ -89,9 +116,7 @@ def main() -> None:
     weights = {}  # (format, shape name) -> copies enough to stream STREAM_BYTES per replay
     for fi, (fmt, make) in enumerate(FORMATS.items()):
         for i, (s, (n, k)) in enumerate(SHAPES.items()):
-            first = make((n, k), 0.02, seed=1000 * fi + 10 * i)
-            weights[fmt, s] = [first] + [make((n, k), 0.02, seed=1000 * fi + 10 * i + j)
-                                         for j in range(1, -(-STREAM_BYTES // first.nbytes))]
+            weights[fmt, s] = copies(make, (n, k), seed=1000 * fi + 10 * i)
     xs = {(s, m): cb.asarray(rng.standard_normal((m, k)).astype(np.float32), "act")
           for s, (n, k) in SHAPES.items() for m in ROWS}
     y32 = {m: cupy.empty((m, 1), cupy.float32) for m in ROWS}
@@ -134,15 +159,7 @@ def main() -> None:
             x, y = xs[(s, m)], cupy.empty((m, n), cupy.float32)
             graphs = {}
             for fmt in FORMATS:
-                ws = weights[fmt, s]
-                launch(x, ws[0], y, fmt)  # compiled already; pool and tensor maps warm
-                stream.synchronize()
-                launches = max(REPS, len(ws))
-                with stream:
-                    stream.begin_capture()
-                    for r in range(launches):
-                        launch(x, ws[r % len(ws)], y, fmt)
-                    graphs[fmt] = (stream.end_capture(), launches)
+                graphs[fmt] = captured(stream, lambda w, fmt=fmt: launch(x, w, y, fmt), weights[fmt, s])
             us = median_replay_us(stream, graphs)
             for fmt in FORMATS:
                 nbytes = weights[fmt, s][0].nbytes
