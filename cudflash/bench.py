@@ -347,9 +347,14 @@ def format_table(results: list[BatchResult], copy_gb_s: float | None) -> str:
     return "\n".join(lines)
 
 
+# The linear weights of a target layer that --weights replaces: a dense layer's, a GDN layer's (in_proj, out_proj) and
+# a gated-attention layer's (qkvg, o_proj), with the MLP's.
+PROJECTIONS = ("qkv", "qkvg", "in_proj", "o_proj", "out_proj", "gate_up", "down")
+
+
 def synthetic_quantized(target: Any, backend: Any, weights: str, std: float = 0.02, lm_head: bool = False,
                         draft: Any = None) -> None:
-    """Replace the synthetic target's linear weights (every layer's qkv, o_proj, gate_up, down) by FP8 or NVFP4
+    """Replace the synthetic target's linear weights (every layer's projections: PROJECTIONS) by FP8 or NVFP4
     weights (`weights`) of the same shapes made on the device (fp8_weight.random_fp8, fp4_weight.random_fp4), as an
     FP8 / NVFP4 checkpoint kept on the device holds them; the embedding stays bf16, and so does the LM head (as in
     the Qwen -FP8 releases) unless `lm_head` (quantize_lm_head: a head in that format beside a tied embedding too).
@@ -358,9 +363,8 @@ def synthetic_quantized(target: Any, backend: Any, weights: str, std: float = 0.
     them."""
     if backend.name != "cuda":
         raise BackendError(f"bench --weights {weights} needs the cuda backend (the weights are made on the device)")
-    if any(not hasattr(layer, "qkv") for layer in target.layers):
-        raise BackendError(f"bench --weights {weights} replaces a dense target's projections; a hybrid target's GDN "
-                           f"and gated-attention layers have others (use --weights bf16)")
+    if any(not any(hasattr(layer, name) for name in PROJECTIONS) for layer in target.layers):
+        raise BackendError(f"bench --weights {weights}: a target layer has none of the projections {PROJECTIONS}")
     if draft is not None and not hasattr(draft, "fused_kv"):
         raise BackendError(f"bench --quantize-draft replaces a DFlash-layout drafter's projections; "
                            f"{type(draft).__name__} has others")
@@ -369,8 +373,9 @@ def synthetic_quantized(target: Any, backend: Any, weights: str, std: float = 0.
 
     make = {"fp8": random_fp8, "nvfp4": random_fp4}[weights]
     for i, layer in enumerate(target.layers):
-        for j, name in enumerate(("qkv", "o_proj", "gate_up", "down")):
-            setattr(layer, name, make(getattr(layer, name).shape, std, seed=1000 + 4 * i + j))
+        for j, name in enumerate(PROJECTIONS):
+            if hasattr(layer, name):
+                setattr(layer, name, make(getattr(layer, name).shape, std, seed=1000 + len(PROJECTIONS) * i + j))
     if lm_head:
         target.lm_head = make(target.lm_head.shape, std, seed=999)
     if draft is not None:

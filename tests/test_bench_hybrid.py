@@ -122,7 +122,7 @@ def test_prefill_only_times_each_batch_of_prompts(tmp_path):
     assert "GEMM TFLOP/s" in r.stdout
 
 
-def test_bench_quantized_weights_refuse_a_hybrid_target():
+def test_bench_quantized_weights_refuse_an_unknown_layer():
     from cudflash.bench import synthetic_quantized
     from cudflash.errors import BackendError
 
@@ -132,5 +132,5 @@ def test_bench_quantized_weights_refuse_a_hybrid_target():
     class Target:
         layers = [object()]
 
-    with pytest.raises(BackendError, match="hybrid"):
+    with pytest.raises(BackendError, match="none of the projections"):
         synthetic_quantized(Target(), Cuda(), "fp8")

@@ -215,7 +215,13 @@ class CudaBackend:
 
     def cat(self, xs: list[cupy.ndarray], axis: int = 0) -> cupy.ndarray:
         """One copy per piece into the output: cupy.concatenate of many pieces uploads a table of their addresses
-        from the host, which a stream capturing a CUDA graph refuses (the drafter heads' walk, cuda_graph.py)."""
+        from the host, which a stream capturing a CUDA graph refuses (the drafter heads' walk, cuda_graph.py).
+        Quantized weights of one format concatenate along the rows at load (a hybrid's fused qkvg)."""
+        quantized = [isinstance(x, (Fp8Weight, Fp4Weight)) for x in xs]
+        if any(quantized):
+            if not all(quantized) or axis != 0 or len({type(x) for x in xs}) != 1:
+                raise BackendError("cuda cat: quantized weights concatenate along the rows, all of one format")
+            return (fp8_weight if isinstance(xs[0], Fp8Weight) else fp4_weight).concat(xs)
         act = bool(xs) and xs[0].dtype == self.act
         xs = [bits(x) for x in xs] if act else list(xs)
         shape = list(xs[0].shape)
@@ -231,6 +237,8 @@ class CudaBackend:
 
     def take_rows(self, x: cupy.ndarray, rows: Any) -> cupy.ndarray:
         rows = device_i32(rows)
+        if isinstance(x, (Fp8Weight, Fp4Weight)):  # a quantized weight's rows at load (a hybrid's q_proj split)
+            return (fp8_weight if isinstance(x, Fp8Weight) else fp4_weight).take_rows(x, rows)
         row_bytes = x.shape[1] * x.itemsize if x.ndim == 2 else 0
         if x.ndim == 2 and x.strides[1] == x.itemsize and row_bytes % 16 == 0 and x.data.ptr % 16 == 0 \
                 and (x.shape[0] <= 1 or x.strides[0] % 16 == 0):

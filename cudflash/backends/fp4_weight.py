@@ -78,6 +78,18 @@ def upload(w: QuantizedWeight) -> Fp4Weight:
     return Fp4Weight(data, scale, gscale)
 
 
+def take_rows(w: Fp4Weight, rows: cupy.ndarray) -> Fp4Weight:
+    """The weight rows `rows` (int32 on the device), in that order, with their scales."""
+    return Fp4Weight(cupy.take(w.data, rows, axis=0), cupy.take(w.scale, rows, axis=0), cupy.take(w.gscale, rows))
+
+
+def concat(parts: list[Fp4Weight]) -> Fp4Weight:
+    """Parts stacked along the rows, with their scales."""
+    if len({p.shape[1] for p in parts}) != 1:
+        raise BackendError(f"cuda cat: NVFP4 parts {[p.shape for p in parts]} differ in K")
+    return Fp4Weight(*(cupy.concatenate([getattr(p, f) for p in parts]) for f in ("data", "scale", "gscale")))
+
+
 def interleave_gate_up(gate: Fp4Weight, up: Fp4Weight) -> Fp4Weight:
     """The gate_up weight of CudaBackend.gate_up_weight (rows in groups of 8: gate 8 j .. 8 j + 7, then up's), each
     row with its own scales."""

@@ -75,6 +75,24 @@ def upload(w: QuantizedWeight) -> Fp8Weight:
                      cupy.asarray(w.row_scales().astype(np.int32)))
 
 
+def take_rows(w: Fp8Weight, rows: cupy.ndarray) -> Fp8Weight:
+    """The weight rows `rows` (int32 on the device), in that order: a new code array, each row keeping its scale row
+    (a hybrid's q_proj split into query and gate channels, permuted within heads)."""
+    return Fp8Weight(cupy.take(w.data, rows, axis=0), w.scale, cupy.take(w.rows, rows))
+
+
+def concat(parts: list[Fp8Weight]) -> Fp8Weight:
+    """Parts stacked along the rows, every row keeping its own scales: the scale arrays end to end, each part's row
+    map offset by the scale rows in front of it."""
+    if len({p.shape[1] for p in parts}) != 1 or len({p.scale.shape[1] for p in parts}) != 1:
+        raise BackendError(f"cuda cat: FP8 parts {[p.shape for p in parts]} differ in K or scale columns")
+    offsets = [0]
+    for p in parts[:-1]:
+        offsets.append(offsets[-1] + p.scale.shape[0])
+    return Fp8Weight(cupy.concatenate([p.data for p in parts]), cupy.concatenate([p.scale for p in parts]),
+                     cupy.concatenate([p.rows + off for p, off in zip(parts, offsets)]).astype(cupy.int32))
+
+
 def interleave_gate_up(gate: Fp8Weight, up: Fp8Weight) -> Fp8Weight:
     """The gate_up weight of CudaBackend.gate_up_weight (rows in groups of 8: gate 8 j .. 8 j + 7, then up's), each
     row keeping its own scale row: up's scale rows follow gate's."""

@@ -218,18 +218,12 @@ class ModelRunner:
         """A CUDA backend dequantizes FP8 and NVFP4 weights to bf16 at load unless tuning.fp8_on_device /
         nvfp4_on_device: where the bf16 form of the target (and drafter) would leave no room for the KV cache of one
         max_model_len sequence, this load keeps the codes on the device instead (quant/memory.py), and says so.
-        Hybrid targets always dequantize: quantized weights on the device are refused for them by name."""
+        """
         tuning = getattr(backend, "tuning", None)
         fmt = quantize or (target_quant.format if target_quant is not None else None)
         if tuning is None or fmt not in ("fp8", "nvfp4"):
             return
         flag = f"{fmt}_on_device"
-        if target_cfg.hybrid is not None:  # the attention layers permute q_proj's rows at load (models/hybrid.py)
-            if getattr(tuning, flag):
-                raise ConfigError(f"{target_cfg.path}: {fmt.upper()} weights kept on the device (tuning {flag}) are "
-                                  f"not supported for a Gated DeltaNet hybrid target yet; load it without that "
-                                  f"setting (its {fmt.upper()} weights are then dequantized to bf16)")
-            return
         if getattr(tuning, flag):
             return
         size = backend.act_itemsize

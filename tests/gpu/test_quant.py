@@ -105,3 +105,30 @@ def test_tiny_pair_with_a_quantized_drafter_on_the_device(tiny_pair, fmt):
     same = sum(s.token_ids == a.token_ids for s, a in zip(spec, ar))
     assert same >= int(np.ceil(0.95 * len(prompts))), f"spec == AR on {same} of {len(prompts)} prompts"
     assert np.mean([np.mean(s.acceptance_lengths) for s in spec]) > 1.5
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_the_tiny_hybrid_pair_quantized_on_the_device(fmt):
+    """The trained tiny hybrid pair with its target quantized at load and kept on the device (the attention layers'
+    q_proj split and fused qkvg as row operations on the quantized weights): spec == AR with a real acceptance, and
+    the same tokens as the same model dequantized to bf16 on nearly every prompt."""
+    import json
+    from pathlib import Path
+
+    pair = Path(__file__).resolve().parents[1] / "data" / "tiny-hybrid-pair"
+    if not (pair / "target").is_dir():
+        pytest.skip("tests/data/tiny-hybrid-pair is absent")
+    prompts = json.loads((pair / "prompts_dev.json").read_text())["prompts"]
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    tuning = {f"{fmt}_on_device": True}
+    gpu = LLM(pair / "target", draft=pair / "drafter", backend="cuda", quantize=fmt, tuning=tuning)
+    qkvg = next(layer.qkvg for layer in gpu.runner.target.layers if hasattr(layer, "qkvg"))
+    assert type(qkvg).__name__ == {"fp8": "Fp8Weight", "nvfp4": "Fp4Weight"}[fmt]
+    spec = gpu.generate(prompts, params)
+    ar = LLM(pair / "target", backend="cuda", quantize=fmt, tuning=tuning).generate(prompts, params)
+    same = sum(s.token_ids == a.token_ids for s, a in zip(spec, ar))
+    assert same >= int(np.ceil(0.95 * len(prompts))), f"spec == AR on {same} of {len(prompts)} prompts"
+    assert np.mean([np.mean(s.acceptance_lengths) for s in spec]) > 1.5
+    dense = LLM(pair / "target", backend="cuda", quantize=fmt).generate(prompts, params)  # dequantized at load
+    agree = sum(a.token_ids == d.token_ids for a, d in zip(ar, dense))
+    assert agree >= int(np.ceil(0.8 * len(prompts))), f"on the device == dequantized on {agree} of {len(prompts)}"
