@@ -384,10 +384,11 @@ class CudaBackend:
     def _gemm_quantized(self, x: cupy.ndarray | DeferredNorm, weight: Fp8Weight | Fp4Weight, out_dtype: np.dtype,
                         swiglu: bool, streamed_out) -> cupy.ndarray:
         """_gemm for an FP8 or NVFP4 weight. Up to 16 rows (stream_gemm.usable_quantized): the streaming GEMM reads
-        the codes, with the epilogues as for bf16. Else (prefill, large batches, K off the stage's columns): the
-        weight is dequantized into a bf16 scratch array (the exact values rounded once, fp8_dequant.cu /
-        fp4_dequant.cu) and cuBLAS runs on it: one more pass over the weight (1 or 0.56 bytes read, 2 written) per
-        GEMM, small beside a GEMM of many rows, which is compute bound."""
+        the codes, with the epilogues as for bf16; up to tuning.quantized_stream_max_rows rows it does so in launches
+        of 16 rows (stream_gemm.streams_quantized: a verify of a few sequences). Else (prefill, large batches, K off
+        the stage's columns): the weight is dequantized into a bf16 scratch array (the exact values rounded once,
+        fp8_dequant.cu / fp4_dequant.cu) and cuBLAS runs on it: one more pass over the weight (1 or 0.56 bytes read,
+        2 written) per GEMM, small beside a GEMM of many rows, which is compute bound."""
         n, k = weight.shape
         bits = stream_gemm.weight_bits(weight)
         if isinstance(x, DeferredNorm):
@@ -404,9 +405,10 @@ class CudaBackend:
         if x.shape[1] != k:
             raise BackendError(f"cuda linear: x is [{m}, {x.shape[1]}] but the {'fp8' if bits == 8 else 'nvfp4'} "
                                f"weight is {list(weight.shape)}")
-        if stream_gemm.usable_quantized(m, n, k, bits):
-            y = streamed_out(m)
-            stream_gemm.stream_gemm(self._gemm_rows(x, True), weight, y, self.num_sms, self.tuning, swiglu)
+        if stream_gemm.streams_quantized(m, n, k, bits, self.tuning):
+            y, x = streamed_out(m), self._gemm_rows(x, True)
+            for rows in stream_gemm.stream_chunks(m):
+                stream_gemm.stream_gemm(x[rows], weight, y[rows], self.num_sms, self.tuning, swiglu)
             return y
         y = cupy.empty((m, n), dtype=cupy.float32 if swiglu else out_dtype)
         if m:

@@ -190,10 +190,22 @@ def fusable(m: int, n: int, k: int, nbytes: int, num_sms: int, tuning: CudaTunin
 
 
 def usable_quantized(m: int, n: int, k: int, bits: int) -> bool:
-    """Whether CudaBackend.linear streams an FP8 (bits 8) or NVFP4 (4) weight [n, k] for x [m, k]: any size (the
+    """Whether one launch of this kernel takes an FP8 (bits 8) or NVFP4 (4) weight [n, k] for x [m, k]: any size (the
     alternative is a dequantization to bf16 and cuBLAS, two launches and more bytes, so no minimum as for bf16),
     K a multiple of the stage's columns, and again never a function of m within 1..MAX_ROWS."""
     return 1 <= m <= MAX_ROWS and k % stage_cols(bits) == 0 and available()
+
+
+def streams_quantized(m: int, n: int, k: int, bits: int, tuning: CudaTuning) -> bool:
+    """Whether CudaBackend.linear streams the codes for x [m, k]: in launches of MAX_ROWS rows (stream_chunks) up to
+    tuning.quantized_stream_max_rows rows. Each launch reads the whole weight, so beyond a few launches the
+    dequantized bf16 weight and cuBLAS are faster; a row's bits are those it has alone either way it streams."""
+    return 1 <= m <= max(MAX_ROWS, tuning.quantized_stream_max_rows) and usable_quantized(1, n, k, bits)
+
+
+def stream_chunks(m: int) -> list[slice]:
+    """The rows of each launch of a streamed product of m rows: MAX_ROWS at a time."""
+    return [slice(i, min(i + MAX_ROWS, m)) for i in range(0, m, MAX_ROWS)]
 
 
 def fusable_quantized(m: int, n: int, k: int, bits: int, num_sms: int, tuning: CudaTuning) -> bool:

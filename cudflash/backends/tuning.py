@@ -47,6 +47,10 @@ class CudaTuning:
     # Compute warps of the streaming GEMM over an FP8 weight: 4 (one per scheduler) or 8 (two). Part of the plan: the
     # summation order depends on it, never on the rows (kernels/stream_gemm.cu).
     stream_gemm_w8_warps: int = 8
+    # FP8 / NVFP4 products of more than 16 rows and up to this many stream the codes in launches of 16 rows, each
+    # reading the whole weight (the rows keep the bits they have alone); more rows dequantize the weight to bf16 and
+    # run cuBLAS, one more pass over the weight that a few launches beat (BENCHMARKS.md). 16: no launch beyond one.
+    quantized_stream_max_rows: int = 64
     # A folder to compile the CUDA sources from instead of the package's: an A/B of kernel code in one checkout.
     kernel_dir: str | None = None
     # Extra NVRTC options for every module, e.g. -lineinfo, or the step timeline's -DCF_TRACE
@@ -63,7 +67,8 @@ class CudaTuning:
                   tuple: isinstance(value, tuple) and all(isinstance(v, str) for v in value)}[kind]
             if not ok:
                 raise ConfigError(f"tuning.{f}: expected {_DESCRIBE[kind]}, got {value!r}")
-        for f in ("stream_gemm_prefill_stages", "stream_gemm_min_bytes", "invariant_max_context"):
+        for f in ("stream_gemm_prefill_stages", "stream_gemm_min_bytes", "invariant_max_context",
+                  "quantized_stream_max_rows"):
             if getattr(self, f) < 0:
                 raise ConfigError(f"tuning.{f}: expected a non-negative integer, got {getattr(self, f)}")
         if self.stream_gemm_w8_warps not in (4, 8):
