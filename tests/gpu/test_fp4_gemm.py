@@ -20,6 +20,7 @@ from cudflash.quant.numerics import encode_e4m3, pack_e2m1  # noqa: E402
 from cudflash.tiny import float32_to_bf16_bits  # noqa: E402
 
 from .test_ops import NAN_BITS, check, poison_pool, rnd  # noqa: E402
+from .test_quant_gemm import check_routes  # noqa: E402
 from .test_stream_gemm import skip_without_tma  # noqa: E402
 
 EPS = 1e-6
@@ -109,28 +110,8 @@ def test_dequantize_bf16_is_numpy_rounded_once(cb, rng, n, k):
 
 @pytest.mark.parametrize("m", [1, 16, 17, 40, 64, 65, 300])
 def test_linear_routes_by_rows_and_k(cb, rng, m, monkeypatch):
-    """With K % 512 == 0, up to 16 rows stream the codes in one launch and up to quantized_stream_max_rows (64) in
-    launches of 16 rows each; more rows, or K = 256, go through the dequantized bf16 weight and cuBLAS. All compute
-    the product, and a streamed row has the bits of that row streamed alone."""
-    skip_without_tma()
-    assert cb.tuning.quantized_stream_max_rows == 64
-    calls = []
-    real = sg.stream_gemm
-    monkeypatch.setattr(sg, "stream_gemm", lambda *a: calls.append((a[0].shape[0], a[1].shape)) or real(*a))
-    streamed = m <= 64
-    for k in (1024, 256):
-        qw = quantized(rng, 520, k, scale=k ** -0.5)
-        x = rnd(rng, m, k)
-        w = cb.load_quantized(qw)
-        calls.clear()
-        y = cb.linear(cb.asarray(x, "act"), w, out_f32=True)
-        launches = [(min(16, m - i), (520, 1024)) for i in range(0, m, 16)] if streamed and k == 1024 else []
-        assert calls == launches
-        check(cb.to_numpy(y), ref_gemm(x, qw), tol=1e-5 if streamed and k == 1024 else 1e-2)
-        if streamed and k == 1024:
-            for i in sorted({0, 15, 16, m - 1} & set(range(m))):
-                alone = cb.linear(cb.asarray(x[i:i + 1], "act"), w, out_f32=True)
-                assert cp.array_equal(alone.view(cp.uint32), y[i:i + 1].view(cp.uint32)), i
+    """K % 512 == 0 streams up to 64 rows (test_quant_gemm.check_routes); K = 256 does not."""
+    check_routes(cb, rng, m, monkeypatch, quantized, ref_gemm, off_k=256)
 
 
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1000, 512)])

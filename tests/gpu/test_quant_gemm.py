@@ -129,18 +129,18 @@ def test_dequantize_bf16_is_numpy_rounded_once(cb, rng, n, k):
     assert np.array_equal(cp.asnumpy(bits(got)), float32_to_bf16_bits(dequantize(qw)))
 
 
-@pytest.mark.parametrize("m", [1, 16, 17, 40, 64, 65, 300])
-def test_linear_routes_by_rows_and_k(cb, rng, m, monkeypatch):
-    """With K % 256 == 0, up to 16 rows stream the codes in one launch and up to quantized_stream_max_rows (64) in
-    launches of 16 rows each; more rows, or K = 384, go through the dequantized bf16 weight and cuBLAS. All compute
-    the product, and a streamed row has the bits of that row streamed alone."""
+def check_routes(cb, rng, m: int, monkeypatch, quantized, ref_gemm, off_k: int) -> None:
+    """CudaBackend.linear of x [m, K] over a quantized weight [520, K] (`quantized(rng, n, k, scale)`): with K = 1024,
+    up to 16 rows stream the codes in one launch and up to quantized_stream_max_rows (64) in launches of 16 rows
+    each; more rows, or K = off_k (off the stage's columns), go through the dequantized bf16 weight and cuBLAS. All
+    compute the product (`ref_gemm`), and a streamed row has the bits of that row streamed alone."""
     skip_without_tma()
     assert cb.tuning.quantized_stream_max_rows == 64
     calls = []
     real = sg.stream_gemm
     monkeypatch.setattr(sg, "stream_gemm", lambda *a: calls.append((a[0].shape[0], a[1].shape)) or real(*a))
     streamed = m <= 64
-    for k in (1024, 384):
+    for k in (1024, off_k):
         qw = quantized(rng, 520, k, scale=k ** -0.5)
         x = rnd(rng, m, k)
         w = cb.load_quantized(qw)
@@ -153,6 +153,12 @@ def test_linear_routes_by_rows_and_k(cb, rng, m, monkeypatch):
             for i in sorted({0, 15, 16, m - 1} & set(range(m))):
                 alone = cb.linear(cb.asarray(x[i:i + 1], "act"), w, out_f32=True)
                 assert cp.array_equal(alone.view(cp.uint32), y[i:i + 1].view(cp.uint32)), i
+
+
+@pytest.mark.parametrize("m", [1, 16, 17, 40, 64, 65, 300])
+def test_linear_routes_by_rows_and_k(cb, rng, m, monkeypatch):
+    """K % 256 == 0 streams up to 64 rows (check_routes); K = 384 does not."""
+    check_routes(cb, rng, m, monkeypatch, quantized, ref_gemm, off_k=384)
 
 
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1000, 512)])
