@@ -5,7 +5,10 @@
 - compressed-tensors FP8 (llm-compressor FP8 / FP8_DYNAMIC): `format: float-quantized`, `weight_scale` [N, 1]
   (channel) or [1] (tensor), optional static `input_scale`;
 - ModelOpt NVFP4: hf_quant_config.json plus config.json `quantization_config {quant_method: modelopt}`, projections
-  U8 [N, K/2] with `weight_scale` F8_E4M3 [N, K/16], `weight_scale_2` F32 [] and `input_scale` F32 [].
+  U8 [N, K/2] with `weight_scale` F8_E4M3 [N, K/16], `weight_scale_2` F32 [] and `input_scale` F32 [];
+- compressed-tensors NVFP4 (llm-compressor NVFP4 / NVFP4A16): `format: nvfp4-pack-quantized`, projections
+  `weight_packed` U8 [N, K/2], `weight_scale` F8_E4M3 [N, K/16], `weight_global_scale` F32 [1] (a divisor: 6 * 448 /
+  amax) and, for the W4A4 scheme, `input_global_scale` F32 [1].
 Embeddings, norms and the LM head stay BF16. Tensors are (safetensors dtype, raw array) pairs: the writer emits any
 dtype, which tiny.write_safetensors (float weights) does not.
 """
@@ -144,6 +147,30 @@ def modelopt_nvfp4(tensors: dict[str, np.ndarray]):
     quant = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": ["lm_head"]}
     hf = {"producer": {"name": "modelopt", "version": "0.29.0"}, "quantization": quant}
     return out, hf, {"quant_method": "modelopt", **quant}
+
+
+def compressed_nvfp4(tensors: dict[str, np.ndarray], w4a4: bool = False):
+    """(tensors, quantization_config) of an llm-compressor NVFP4 checkpoint (NVFP4A16, or NVFP4 with activation
+    global scales): the ModelOpt recipe's codes and block scales, its global scale stored as the divisor
+    float32(1 / global)."""
+    out = {}
+    for name, w in _to_quantize(tensors, out):
+        qw = quantize_nvfp4(w)
+        module = name[: -len("weight")]
+        out[name + "_packed"] = ("U8", qw.data)
+        out[module + "weight_scale"] = ("F8_E4M3", qw.scale)
+        out[module + "weight_global_scale"] = ("F32", (np.float32(1) / qw.global_scale).astype(np.float32))
+        if w4a4:
+            out[module + "input_global_scale"] = ("F32", np.array([300.0], dtype=np.float32))
+    act = ({"num_bits": 4, "type": "float", "symmetric": True, "dynamic": "local", "strategy": "tensor_group",
+            "group_size": 16} if w4a4 else None)
+    weights = {"num_bits": 4, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor_group",
+               "group_size": 16, "observer": "minmax"}
+    config = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+              "quantization_status": "compressed", "ignore": ["lm_head"], "kv_cache_scheme": None,
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": act,
+                                            "output_activations": None, "format": "nvfp4-pack-quantized"}}}
+    return out, config
 
 
 def _bf16_values(w: np.ndarray) -> np.ndarray:

@@ -25,7 +25,7 @@ from cudflash.quant.numerics import (E4M3_TABLE, decode_e2m1, encode_e2m1, encod
 from cudflash.quant.weight import dequantize_reference
 from cudflash.sampling_params import SamplingParams
 from cudflash.tiny import TinyShape, draft_config, draft_tensors, target_config, target_tensors, write_model
-from tests.quant_checkpoints import compressed_fp8, modelopt_nvfp4, qwen_fp8, write_tagged_model
+from tests.quant_checkpoints import compressed_fp8, compressed_nvfp4, modelopt_nvfp4, qwen_fp8, write_tagged_model
 
 
 def e4m3_value(code: int) -> float:
@@ -199,6 +199,8 @@ def _write(tmp_path: Path, name: str, fmt: str, shape: TinyShape, shards: int = 
         out, config["quantization_config"] = qwen_fp8(tensors, **kw)
     elif fmt == "compressed_fp8":
         out, config["quantization_config"] = compressed_fp8(tensors, **kw)
+    elif fmt == "compressed_nvfp4":
+        out, config["quantization_config"] = compressed_nvfp4(tensors, **kw)
     else:
         out, hf, qc = modelopt_nvfp4(tensors)
         extra = {"hf_quant_config.json": hf}
@@ -210,8 +212,11 @@ def _write(tmp_path: Path, name: str, fmt: str, shape: TinyShape, shards: int = 
 def _reference_at(out: dict, name: str, block: tuple[int, int] = (128, 128)) -> np.ndarray:
     """The float32 value of a stored weight, from the raw stored arrays and this file's own tables (`block`: the
     checkpoint's weight_block_size)."""
-    tag, arr = out[name]
     module = name[: -len("weight")]
+    if name not in out and name + "_packed" in out:  # compressed-tensors NVFP4: global scale = 1 / the divisor
+        g = (np.float32(1) / out[module + "weight_global_scale"][1]).astype(np.float32)
+        return _nvfp4_reference(out[name + "_packed"][1], out[module + "weight_scale"][1], g)
+    tag, arr = out[name]
     if tag == "BF16":
         return (arr.astype(np.uint32) << 16).view(np.float32)
     as_f32 = lambda t: (t[1].astype(np.uint32) << 16).view(np.float32) if t[0] == "BF16" else t[1]  # noqa: E731
@@ -249,19 +254,38 @@ ODD = TinyShape(hidden_size=80, num_heads=5, num_kv_heads=1, head_dim=16, interm
                                     ("qwen_fp8", {"block": (32, 32)}),
                                     ("compressed_fp8", {}), ("compressed_fp8", {"strategy": "tensor"}),
                                     ("compressed_fp8", {"static_input": True, "scale_dtype": "F32"}),
-                                    ("modelopt_nvfp4", {}), ("modelopt_nvfp4", {"in_config": True})])
+                                    ("modelopt_nvfp4", {}), ("modelopt_nvfp4", {"in_config": True}),
+                                    ("compressed_nvfp4", {}), ("compressed_nvfp4", {"w4a4": True})])
 @pytest.mark.parametrize("shards", [1, 3])
 def test_released_layouts_load_exactly(tmp_path, fmt, kw, shards):
     d, out = _write(tmp_path, "t", fmt, ODD, shards=shards, **kw)
     llm = _check_loaded(d, out, kw.get("block", (128, 128)))
     mem = llm.runner.weight_memory["target"]
-    fmt_name = "nvfp4" if fmt == "modelopt_nvfp4" else "fp8"
+    fmt_name = "nvfp4" if fmt.endswith("nvfp4") else "fp8"
     assert set(mem.stored) == {fmt_name, "bf16"}
     packed = sum(v.nbytes for n, (tag, v) in out.items() if tag != "BF16" and not n.endswith("input_scale"))
     assert mem.stored[fmt_name] >= packed - sum(v.nbytes for n, (_, v) in out.items() if "scale" in n)
-    assert mem.device[fmt_name] == 4 * sum(np.prod(_reference_at(out, n).shape) for n, (tag, _) in out.items()
-                                           if tag in ("F8_E4M3", "U8") and n.endswith(".weight")
-                                           and not n.endswith("weight_scale"))
+    codes = [n.removesuffix("_packed") for n, (tag, _) in out.items()
+             if tag in ("F8_E4M3", "U8") and n.endswith((".weight", ".weight_packed"))]
+    assert codes and mem.device[fmt_name] == 4 * sum(np.prod(_reference_at(out, n).shape) for n in codes)
+
+
+def test_compressed_tensors_nvfp4_global_scale_divides(tmp_path):
+    """compressed-tensors stores NVFP4's global scale as a divisor (w = code * scale / global): the loaded weight is
+    that within float32's rounding of 1 / global, and a zero divisor is refused by name."""
+    d, out = _write(tmp_path, "t", "compressed_nvfp4", ODD)
+    llm = LLM(d, backend="cpu", kv_block_size=8)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    module = name[: -len("weight")]
+    divided = _nvfp4_reference(out[name + "_packed"][1], out[module + "weight_scale"][1], np.float32(1)) / \
+        out[module + "weight_global_scale"][1].astype(np.float64)
+    got = llm.runner.target.layers[0].o_proj
+    assert np.all(np.abs(got - divided) <= 2.0 ** -22 * np.abs(divided)) and not np.array_equal(got, 0 * got)
+    out[module + "weight_global_scale"] = ("F32", np.zeros(1, dtype=np.float32))
+    config = json.loads((d / "config.json").read_text())
+    bad = write_tagged_model(tmp_path / "bad", config, out)
+    with pytest.raises(CheckpointError, match=r"o_proj.weight_global_scale' is 0.0: an NVFP4 global scale divides"):
+        LLM(bad, backend="cpu", kv_block_size=8)
 
 
 def test_released_fp8_dims_off_the_block_grid_use_a_row_map(tmp_path):
@@ -273,7 +297,7 @@ def test_released_fp8_dims_off_the_block_grid_use_a_row_map(tmp_path):
     _check_loaded(d, out)
 
 
-@pytest.mark.parametrize("fmt", ["qwen_fp8", "compressed_fp8", "modelopt_nvfp4", "at_load"])
+@pytest.mark.parametrize("fmt", ["qwen_fp8", "compressed_fp8", "modelopt_nvfp4", "compressed_nvfp4", "at_load"])
 def test_quantized_target_speculative_greedy_equals_autoregressive(tmp_path, fmt):
     shape = TinyShape(num_layers=3, target_layer_ids=[0, 2])
     tensors, config = _target(tmp_path, shape, seed=7)
@@ -429,7 +453,19 @@ CT_GROUP = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type"
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": CT_GROUP},
      "format' is 'pack-quantized'"),
     ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": CT_GROUP},
-     "'nvfp4-pack-quantized'"),
+     "'float' with 8 bits: nvfp4-pack-quantized needs 4-bit float weights"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+      "config_groups": {"g": {"weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                                          "group_size": 32}}}}, "NVFP4 is tensor_group with groups of 16"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+      "config_groups": {"g": {"weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 16}}}},
+     "strategy 'group'"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+      "config_groups": {"g": {"format": "float-quantized", "weights": {"num_bits": 4, "type": "float"}}}},
+     "mixed formats are not supported"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "frozen",
+      "config_groups": {"g": {"weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                                          "group_size": 16}}}}, "quantization_status' is 'frozen'"),
     ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": CT_GROUP}, "'int-quantized'"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized",
       "config_groups": {"g": {"weights": {"num_bits": 4, "type": "float", "strategy": "group"}}}},
@@ -587,14 +623,15 @@ def test_tiny_pair_quantized_speculative_greedy_equals_autoregressive(tiny_pair,
 
 
 # ---- memory: FP8 stays FP8 on the GPU where its bf16 form would not fit (quant/memory.py)
-@pytest.mark.parametrize("fmt", ["qwen_fp8", "compressed_fp8", "modelopt_nvfp4"])
+@pytest.mark.parametrize("fmt", ["qwen_fp8", "compressed_fp8", "modelopt_nvfp4", "compressed_nvfp4"])
 def test_dequantized_bytes_count_each_weight_at_bf16(tmp_path, fmt):
     d, out = _write(tmp_path, "q", fmt, ODD)
     want = 0
     for name, (tag, arr) in out.items():
-        if name.rsplit(".", 1)[-1] in ("weight_scale", "weight_scale_inv", "weight_scale_2", "input_scale"):
+        if name.rsplit(".", 1)[-1] in ("weight_scale", "weight_scale_inv", "weight_scale_2", "input_scale",
+                                       "weight_global_scale", "input_global_scale"):
             continue
-        codes = name.endswith(".weight") and tag in ("F8_E4M3", "U8")
+        codes = name.endswith((".weight", ".weight_packed")) and tag in ("F8_E4M3", "U8")
         want += arr.size * 2 * (2 if tag == "U8" else 1) if codes else arr.nbytes
     assert dequantized_bytes(Checkpoint(d), 2) == want
     bf16 = sum(a.nbytes if t == "BF16" else 0 for t, a in out.values())

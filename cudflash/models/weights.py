@@ -17,7 +17,7 @@ from cudflash.checkpoint import Checkpoint, bf16_bits_to_float32
 from cudflash.model_files import shown
 from cudflash.errors import CheckpointError
 from cudflash.quant import QuantizedWeight, QuantScheme, concat_rows, dequantize, quantize_weight, read_quantized
-from cudflash.quant.reader import is_quantized
+from cudflash.quant.reader import is_quantized, stored_name
 
 
 # Tensors no real model holds as all zeros: the embedding, the LM head and every projection matrix (a zero bias,
@@ -82,7 +82,7 @@ class WeightLoader:
         self.memory = WeightMemory()
 
     def has(self, name: str) -> bool:
-        return self.prefix + name in self.ckpt
+        return stored_name(self.ckpt, self.prefix + name) in self.ckpt
 
     def get(self, name: str, shape: tuple[int, ...]) -> Any:
         return self._upload(self.prefix + name, self.read(name, shape))
@@ -159,7 +159,8 @@ class WeightLoader:
         return x
 
     def _check_values(self, name: str, x: Any) -> None:
-        where = f"{self.ckpt.info(name).file}: tensor {shown(name)}"
+        stored = stored_name(self.ckpt, name)
+        where = f"{self.ckpt.info(stored).file}: tensor {shown(stored)}"
         if not self.backend.all_finite(x):
             raise CheckpointError(f"{where} holds NaN or Inf values (a corrupt or diverged checkpoint)")
         if name.endswith(NONZERO_SUFFIXES) and not self.backend.any_nonzero(x):

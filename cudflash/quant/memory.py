@@ -8,7 +8,8 @@ import math
 from cudflash.checkpoint import Checkpoint
 from cudflash.quant.reader import PACKED_DTYPES
 
-_SCALES = ("weight_scale", "weight_scale_inv", "weight_scale_2", "input_scale")
+_SCALES = ("weight_scale", "weight_scale_inv", "weight_scale_2", "input_scale", "weight_global_scale",
+           "input_global_scale")
 
 
 def dequantized_bytes(ckpt: Checkpoint, itemsize: int) -> int:
@@ -21,7 +22,7 @@ def dequantized_bytes(ckpt: Checkpoint, itemsize: int) -> int:
         if name.rsplit(".", 1)[-1] in _SCALES:
             continue
         elements = math.prod(info.shape)
-        if name.endswith(".weight") and info.dtype in PACKED_DTYPES:
+        if name.endswith((".weight", ".weight_packed")) and info.dtype in PACKED_DTYPES:
             total += elements * itemsize * (2 if info.dtype == "U8" else 1)
         else:
             total += info.nbytes

@@ -5,7 +5,9 @@ Read (docs/quantization.md has the sources):
 - `quant_method: fp8` with `weight_block_size` [rows, cols] (Qwen's -FP8 releases, DeepSeek-V3), `fmt: e4m3`,
   `activation_scheme: dynamic`; `modules_to_not_convert` (or vLLM's `ignored_layers`).
 - `quant_method: compressed-tensors`, `format: float-quantized` or `naive-quantized`, whose `config_groups` all
-  quantize weights to 8-bit floats (`strategy` channel, tensor or block); `ignore`.
+  quantize weights to 8-bit floats (`strategy` channel, tensor or block); `ignore`. Or `format:
+  nvfp4-pack-quantized` (llm-compressor's NVFP4 / NVFP4A16), whose groups all quantize weights to 4-bit floats with
+  `strategy: tensor_group`, `group_size: 16` (activations none, or the W4A4 scheme's 4-bit floats: recorded).
 - ModelOpt: `quant_algo: NVFP4`, `group_size: 16`, `exclude_modules` (or `ignore`), in hf_quant_config.json's
   `quantization` or in config.json's `quantization_config` with `quant_method: modelopt`.
 The excluded-module lists are recorded, not used to pick tensors: a tensor is read as quantized when the checkpoint
@@ -25,8 +27,9 @@ from cudflash.model_files import shown
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 SUPPORTED = ("fp8 with weight_block_size (the Qwen -FP8 releases), compressed-tensors FP8 (float-quantized: "
-             "channel, tensor or block scales), ModelOpt NVFP4")
+             "channel, tensor or block scales) and NVFP4 (nvfp4-pack-quantized), ModelOpt NVFP4")
 CT_FORMATS = ("float-quantized", "naive-quantized")
+CT_NVFP4 = "nvfp4-pack-quantized"
 CT_STRATEGIES = ("channel", "tensor", "block")
 
 
@@ -39,11 +42,12 @@ class QuantScheme:
     exclude: tuple[str, ...] = ()  # modules declared unquantized (recorded)
     static_activations: bool = False  # the checkpoint has input_scale tensors (recorded, unused)
     kv_cache: str | None = None  # its KV-cache quantization (k_scale / v_scale unused: the KV cache stays bf16)
+    weights: str = "fp8"  # compressed-tensors: "fp8" or "nvfp4", what its groups quantize the weights to
 
     @property
     def format(self) -> str:
         """The QuantizedWeight format its tensors load as."""
-        return "nvfp4" if self.method == "nvfp4" else "fp8"
+        return "nvfp4" if self.method == "nvfp4" or self.weights == "nvfp4" else "fp8"
 
     @property
     def scale_name(self) -> str:
@@ -126,24 +130,16 @@ def _fp8(qc: dict, where: str, source: str) -> QuantScheme:
 
 def _compressed_tensors(qc: dict, where: str, source: str) -> QuantScheme:
     fmt = qc.get("format")
+    if fmt == CT_NVFP4:
+        return _compressed_nvfp4(qc, where, source)
     if fmt not in CT_FORMATS:
         raise ConfigError(f"{where}.format' is {shown(fmt)}: not supported (compressed-tensors FP8 weights are "
-                          f"{' or '.join(CT_FORMATS)}; packed int4 / nvfp4 / int8 / sparse formats are not read)")
-    status = qc.get("quantization_status", "compressed")
-    if status != "compressed":
-        raise ConfigError(f"{where}.quantization_status' is {shown(status)}: only 'compressed' checkpoints hold the "
-                          f"quantized weights as saved for inference")
-    for key in ("sparsity_config", "transform_config"):
-        if qc.get(key):
-            raise ConfigError(f"{where}.{key}' is set: compressed-tensors sparsity and transforms are not supported")
-    groups = qc.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise ConfigError(f"{where}.config_groups' should be a non-empty object of quantization schemes")
+                          f"{' or '.join(CT_FORMATS)}, NVFP4 ones {CT_NVFP4}; packed int4 / int8 / sparse formats "
+                          f"are not read)")
+    _check_compressed(qc, where)
     strategies, block, static = [], None, False
-    for name, group in groups.items():
+    for name, group in _groups(qc, where).items():
         at = f"{where}.config_groups.{name}"
-        if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
-            raise ConfigError(f"{at}' should be an object with a 'weights' object")
         if group.get("format") not in (None, *CT_FORMATS):
             raise ConfigError(f"{at}.format' is {shown(group['format'])}: not supported (only FP8 weights)")
         w = group["weights"]
@@ -172,6 +168,59 @@ def _compressed_tensors(qc: dict, where: str, source: str) -> QuantScheme:
     return QuantScheme("compressed-tensors", source, block=block, strategies=tuple(dict.fromkeys(strategies)),
                        exclude=_names(qc.get("ignore"), f"{where}.ignore'"), static_activations=static,
                        kv_cache=None if kv is None else shown(kv))
+
+
+def _check_compressed(qc: dict, where: str) -> None:
+    """What every compressed-tensors checkpoint read here must be: saved compressed, without sparsity or transforms."""
+    status = qc.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise ConfigError(f"{where}.quantization_status' is {shown(status)}: only 'compressed' checkpoints hold the "
+                          f"quantized weights as saved for inference")
+    for key in ("sparsity_config", "transform_config"):
+        if qc.get(key):
+            raise ConfigError(f"{where}.{key}' is set: compressed-tensors sparsity and transforms are not supported")
+
+
+def _groups(qc: dict, where: str) -> dict:
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ConfigError(f"{where}.config_groups' should be a non-empty object of quantization schemes")
+    for name, group in groups.items():
+        if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
+            raise ConfigError(f"{where}.config_groups.{name}' should be an object with a 'weights' object")
+    return groups
+
+
+def _compressed_nvfp4(qc: dict, where: str, source: str) -> QuantScheme:
+    """compressed-tensors NVFP4 (llm-compressor's NVFP4 and NVFP4A16 schemes): every group's weights 4-bit floats
+    in groups of 16 under one global scale (strategy tensor_group); activations none (W4A16) or 4-bit floats (the
+    W4A4 scheme's, recorded: cudflash computes with bf16 activations)."""
+    _check_compressed(qc, where)
+    static = False
+    for name, group in _groups(qc, where).items():
+        at = f"{where}.config_groups.{name}"
+        if group.get("format") not in (None, CT_NVFP4):
+            raise ConfigError(f"{at}.format' is {shown(group['format'])} in an {CT_NVFP4} checkpoint: mixed formats "
+                              f"are not supported")
+        w = group["weights"]
+        if w.get("type") != "float" or w.get("num_bits") != 4:
+            raise ConfigError(f"{at}.weights' is {shown(w.get('type'))} with {shown(w.get('num_bits'))} bits: "
+                              f"{CT_NVFP4} needs 4-bit float weights")
+        if w.get("strategy") != "tensor_group" or w.get("group_size") != 16:
+            raise ConfigError(f"{at}.weights' has strategy {shown(w.get('strategy'))} and group_size "
+                              f"{shown(w.get('group_size'))}: NVFP4 is tensor_group with groups of 16")
+        if w.get("symmetric", True) is not True or w.get("dynamic", False) is not False:
+            raise ConfigError(f"{at}.weights' must be symmetric and static (dynamic: false)")
+        act = group.get("input_activations")
+        if act is not None:
+            if not isinstance(act, dict) or act.get("type") != "float" or act.get("num_bits") != 4:
+                raise ConfigError(f"{at}.input_activations' should be null or 4-bit float, got {shown(act)}")
+            static = True  # an input_global_scale per module
+        if group.get("output_activations") is not None:
+            raise ConfigError(f"{at}.output_activations' is set: output quantization is not supported")
+    kv = qc.get("kv_cache_scheme")
+    return QuantScheme("compressed-tensors", source, exclude=_names(qc.get("ignore"), f"{where}.ignore'"),
+                       static_activations=static, kv_cache=None if kv is None else shown(kv), weights="nvfp4")
 
 
 def _modelopt(q: dict, source: str, where: str | None = None) -> QuantScheme:
