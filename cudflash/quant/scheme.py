@@ -35,7 +35,7 @@ CT_STRATEGIES = ("channel", "tensor", "block")
 
 @dataclass(frozen=True)
 class QuantScheme:
-    method: str  # "fp8" (block-scaled, weight_scale_inv) | "compressed-tensors" (FP8, weight_scale) | "nvfp4"
+    method: str  # "fp8" (block-scaled, weight_scale_inv) | "compressed-tensors" (FP8 or NVFP4: `weights`) | "nvfp4"
     source: str  # the file that declared it, for messages
     block: tuple[int, int] | None = None  # fp8: weight_block_size; compressed-tensors: the block strategy's
     strategies: tuple[str, ...] = ()  # compressed-tensors: the weight strategies its groups use
