@@ -11,19 +11,16 @@ cp = pytest.importorskip("cupy")
 
 from cudflash.backends import fp4_weight  # noqa: E402
 from cudflash.backends import stream_gemm as sg  # noqa: E402
-from cudflash.backends.base import DeferredNorm  # noqa: E402
 from cudflash.backends.cuda_util import bits  # noqa: E402
 from cudflash.backends.fp4_weight import Fp4Weight  # noqa: E402
-from cudflash.backends.numpy_backend import NumpyBackend  # noqa: E402
 from cudflash.quant import QuantizedWeight, concat_rows, dequantize  # noqa: E402
 from cudflash.quant.numerics import encode_e4m3, pack_e2m1  # noqa: E402
 from cudflash.tiny import float32_to_bf16_bits  # noqa: E402
 
-from .test_ops import NAN_BITS, check, poison_pool, rnd  # noqa: E402
-from .test_quant_gemm import check_routes  # noqa: E402
+from .test_ops import NAN_BITS, check, rnd  # noqa: E402
+from .test_quant_gemm import check_epilogues, check_routes, check_row_slice  # noqa: E402
 from .test_stream_gemm import skip_without_tma  # noqa: E402
 
-EPS = 1e-6
 FINITE_E4M3 = np.array([c for c in range(256) if (c & 0x7F) != 0x7F], dtype=np.uint8)
 # (N, K): N off the 16-row tile (200, 1000), blocks of 1..4 tiles, several rounds of blocks per CTA (24576), the
 # long K of down_proj (12288), qwen3-4b's K (2560 = 5 stages).
@@ -130,49 +127,13 @@ def test_fp4_rows_do_not_depend_on_the_other_rows(cb, rng, n, k):
 
 @pytest.mark.parametrize("m", [1, 9, 16])
 def test_fp4_epilogues_match_numpy(cb, rng, m):
-    """The layer's chain on NVFP4 weights: the residual-adding producer (SG_ADD_NORM), the gate_up consumer scaling
-    rows and applying SwiGLU, a row-scaled plain consumer, SwiGLU on plain x: each against the numpy backend on the
-    dequantized weights; the fused SwiGLU with the bits of the swiglu kernel on the same GEMM's float32 output."""
-    skip_without_tma()
-    nb = NumpyBackend()
-    h, k_in, inter = 1536, 2048, 1000
-    wo, wq = quantized(rng, h, k_in, k_in ** -0.5), quantized(rng, 600, h, h ** -0.5)
-    gate, up = quantized(rng, inter, h, h ** -0.5), quantized(rng, inter, h, h ** -0.5)
-    w_gu = cb.gate_up_weight(cb.load_quantized(gate), cb.load_quantized(up))
-    assert isinstance(w_gu, Fp4Weight)
-    x = rnd(rng, m, k_in)
-    res = (rng.standard_normal((m, h)) * 4).astype(np.float32)
-    nw = rnd(rng, h, scale=0.3) + 1
-    ref_normed, ref_r = nb.add_rms_norm(x @ dequantize(wo).T, res, nw, EPS)
-    poison_pool(16 * h * 4 * 4)
-    normed, r = cb.linear_add_rms_norm(cb.asarray(x, "act"), cb.load_quantized(wo), None, cp.asarray(res),
-                                       cb.asarray(nw, "act"), EPS)
-    assert isinstance(normed, DeferredNorm) and isinstance(normed.partial, sg.PartialNorm)
-    check(cb.to_numpy(r), ref_r, tol=1e-5)
-    check(cb.to_numpy(cb.linear(normed, cb.load_quantized(wq), out_f32=True)), ref_normed @ dequantize(wq).T,
-          tol=1e-2)
-    gu_ref = np.concatenate([dequantize(gate), dequantize(up)])
-    check(cb.to_numpy(cb.swiglu(normed, w_gu)), nb.swiglu(ref_normed, gu_ref), tol=1e-2)
-    assert normed.plain is None  # every consumer streamed
-    y32 = cp.empty((m, 2 * inter), cp.float32)
-    sg.row_scaled(normed, w_gu, y32, cb.num_sms, cb.tuning)
-    assert cp.array_equal(bits(cb.swiglu(normed, w_gu)), bits(cb._swiglu_rows(y32)))
-    xa = rnd(rng, m, h)
-    check(cb.to_numpy(cb.swiglu(cb.asarray(xa, "act"), w_gu)), nb.swiglu(xa, gu_ref), tol=1e-2)
+    """test_quant_gemm.check_epilogues on NVFP4 weights."""
+    check_epilogues(cb, rng, m, quantized, 1536, Fp4Weight)
 
 
 def test_a_row_slice_is_those_rows_of_the_weight(cb, rng):
-    """Fp4Weight[lo:hi] (the drafter's per-layer K/V rows of its fused weight) multiplies as those rows do."""
-    skip_without_tma()
-    qw = quantized(rng, 1024, 1024)
-    w = fp4_weight.upload(qw)
-    x = cb.asarray(rnd(rng, 3, 1024), "act")
-    full = cb.to_numpy(cb.linear(x, w, out_f32=True))
-    part = w[256:512]
-    assert part.shape == (256, 1024)
-    assert np.array_equal(cb.to_numpy(cb.linear(x, part, out_f32=True)), full[:, 256:512])
-    with pytest.raises(TypeError):
-        w[::2]
+    """test_quant_gemm.check_row_slice on an Fp4Weight."""
+    check_row_slice(cb, rng, fp4_weight.upload(quantized(rng, 1024, 1024)), 256, 512)
 
 
 def test_fp4_plans_fit():

@@ -175,23 +175,20 @@ def test_fp8_rows_do_not_depend_on_the_other_rows(cb, rng, n, k):
         assert cp.array_equal(part.view(cp.uint32), full[lo:hi].view(cp.uint32)), (lo, hi)
 
 
-def _gate_up(cb, rng, inter: int, h: int):
-    gate, up = quantized(rng, inter, h, h ** -0.5), quantized(rng, inter, h, h ** -0.5)
-    return gate, up, cb.gate_up_weight(cb.load_quantized(gate), cb.load_quantized(up))
-
-
-@pytest.mark.parametrize("m", [1, 3, 9, 16])
-def test_fp8_epilogues_match_numpy(cb, rng, m):
-    """The layer's chain on FP8 weights: o_proj-like producer adding the residual (SG_ADD_NORM), the gate_up
-    consumer scaling rows and applying SwiGLU (SG_ROW_SCALE | SG_SWIGLU), a row-scaled plain consumer, and SwiGLU
-    on plain x: each against the numpy backend on the dequantized weights; the fused SwiGLU with the bits of the
-    swiglu kernel on the same GEMM's float32 output."""
+def check_epilogues(cb, rng, m: int, quantized, h: int, weight_type: type) -> None:
+    """The layer's chain on quantized weights (`quantized(rng, n, k, scale)`, loading as `weight_type`): an
+    o_proj-like producer adding the residual (SG_ADD_NORM), the gate_up consumer scaling rows and applying SwiGLU
+    (SG_ROW_SCALE | SG_SWIGLU), a row-scaled plain consumer, and SwiGLU on plain x: each against the numpy backend on
+    the dequantized weights; the fused SwiGLU with the bits of the swiglu kernel on the same GEMM's float32 output.
+    h: the hidden width (a multiple of the format's stage columns); gate_up's 2000 rows and wq's 600 lie off the
+    128-row grid."""
     skip_without_tma()
     nb = NumpyBackend()
-    h, k_in, inter = 1280, 2048, 1000  # gate_up's 2000 rows and wq's 600 off the 128-row grid; inter % 8 == 0
+    k_in, inter = 2048, 1000  # inter % 8 == 0
     wo, wq = quantized(rng, h, k_in, k_in ** -0.5), quantized(rng, 600, h, h ** -0.5)
-    gate, up, w_gu = _gate_up(cb, rng, inter, h)
-    assert isinstance(w_gu, Fp8Weight)
+    gate, up = quantized(rng, inter, h, h ** -0.5), quantized(rng, inter, h, h ** -0.5)
+    w_gu = cb.gate_up_weight(cb.load_quantized(gate), cb.load_quantized(up))
+    assert isinstance(w_gu, weight_type)
     x = rnd(rng, m, k_in)
     res = (rng.standard_normal((m, h)) * 4).astype(np.float32)
     nw = rnd(rng, h, scale=0.3) + 1
@@ -211,6 +208,12 @@ def test_fp8_epilogues_match_numpy(cb, rng, m):
     assert cp.array_equal(bits(cb.swiglu(normed, w_gu)), bits(cb._swiglu_rows(y32)))
     xa = rnd(rng, m, h)
     check(cb.to_numpy(cb.swiglu(cb.asarray(xa, "act"), w_gu)), nb.swiglu(xa, gu_ref), tol=1e-2)
+
+
+@pytest.mark.parametrize("m", [1, 3, 9, 16])
+def test_fp8_epilogues_match_numpy(cb, rng, m):
+    """check_epilogues on FP8 weights."""
+    check_epilogues(cb, rng, m, quantized, 1280, Fp8Weight)
 
 
 @pytest.mark.parametrize("m", [1, 16])  # x resident in shared memory, x in boxes
@@ -239,19 +242,23 @@ def test_fp8_gemm_in_a_graph_reads_x_after_its_producer(cb, rng, m):
             check(cb.to_numpy(y), ref_gemm(2 * new, qw), tol=1e-5)
 
 
-def test_a_row_slice_is_those_rows_of_the_weight(cb, rng):
-    """Fp8Weight[lo:hi] (the drafter's per-layer K/V rows of its fused weight) multiplies as those rows do, its row
-    map still pointing into the whole scale array (rows off the 128-row grid)."""
+def check_row_slice(cb, rng, w, lo: int, hi: int) -> None:
+    """w[lo:hi] (the drafter's per-layer K/V rows of its fused weight) multiplies as those rows of w do; a stepped
+    slice is refused."""
     skip_without_tma()
-    qw = quantized(rng, 1000, 1024)
-    w = fp8_weight.upload(qw)
-    x = cb.asarray(rnd(rng, 3, 1024), "act")
+    x = cb.asarray(rnd(rng, 3, w.shape[1]), "act")
     full = cb.to_numpy(cb.linear(x, w, out_f32=True))
-    part = w[200:456]
-    assert part.shape == (256, 1024)
-    assert np.array_equal(cb.to_numpy(cb.linear(x, part, out_f32=True)), full[:, 200:456])
+    part = w[lo:hi]
+    assert part.shape == (hi - lo, w.shape[1])
+    assert np.array_equal(cb.to_numpy(cb.linear(x, part, out_f32=True)), full[:, lo:hi])
     with pytest.raises(TypeError):
         w[::2]
+
+
+def test_a_row_slice_is_those_rows_of_the_weight(cb, rng):
+    """check_row_slice on an Fp8Weight, its row map still pointing into the whole scale array (rows off the
+    128-row grid)."""
+    check_row_slice(cb, rng, fp8_weight.upload(quantized(rng, 1000, 1024)), 200, 456)
 
 
 def test_fp8_plans_fit_and_do_not_depend_on_rows():
