@@ -567,13 +567,10 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
         // two chains first; warp 0 then scales each row's sum by its global scale * 2^7, requested here so the
         // load's latency passes under the barrier).
         float gs[W4 ? T : 1][2];
+        float* mine = &acc[0][0][0];  // acc[t][n][q] at (t NT + n) 4 + q
         if constexpr (W4) {
 #pragma unroll
-            for (int t = 0; t < T; ++t)
-#pragma unroll
-                for (int n = 0; n < NT; ++n)
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) acc[t][n][r] += acc4[t][n][r];
+            for (int r = 0; r < NACC; ++r) mine[r] += (&acc4[0][0][0])[r];
             if (warp == 0) {
 #pragma unroll
                 for (int t = 0; t < T; ++t)
@@ -584,7 +581,6 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                     }
             }
         }
-        float* mine = &acc[0][0][0];
         if (warp > 0) {
 #pragma unroll
             for (int r = 0; r < NACC; ++r) red[((warp - 1) * NACC + r) * 32 + lane] = mine[r];
@@ -598,11 +594,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
             }
             if constexpr (W4) {
 #pragma unroll
-                for (int t = 0; t < T; ++t)
-#pragma unroll
-                    for (int n = 0; n < NT; ++n)
-#pragma unroll
-                        for (int r = 0; r < 4; ++r) acc[t][n][r] *= gs[t][r >> 1];
+                for (int r = 0; r < NACC; ++r) mine[r] *= gs[r / (4 * NT)][(r & 3) >> 1];
             }
             if constexpr ((EPI & SG_SWIGLU) != 0) {
 #pragma unroll
