@@ -17,8 +17,9 @@ from cudflash.quant import QuantizedWeight, concat_rows, dequantize  # noqa: E40
 from cudflash.quant.numerics import encode_e4m3, pack_e2m1  # noqa: E402
 from cudflash.tiny import float32_to_bf16_bits  # noqa: E402
 
-from .test_ops import NAN_BITS, check, rnd  # noqa: E402
-from .test_quant_gemm import check_epilogues, check_routes, check_row_slice  # noqa: E402
+from .test_ops import check, rnd  # noqa: E402
+from .test_quant_gemm import (  # noqa: E402
+    check_epilogues, check_routes, check_row_slice, check_rows_alone, check_stream_gemm, ref_gemm)
 from .test_stream_gemm import skip_without_tma  # noqa: E402
 
 FINITE_E4M3 = np.array([c for c in range(256) if (c & 0x7F) != 0x7F], dtype=np.uint8)
@@ -43,23 +44,11 @@ def quantized(rng, n: int, k: int, scale: float = 1.0, global_scale: float | Non
                            global_scale=np.array([g], np.float32))
 
 
-def ref_gemm(x: np.ndarray, w: QuantizedWeight) -> np.ndarray:
-    return x.astype(np.float64) @ dequantize(w).astype(np.float64).T
-
-
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 3, 9, 16])  # x resident; x in boxes of one and of two token tiles
 def test_fp4_stream_gemm_matches_numpy(cb, rng, n, k, m):
-    skip_without_tma()
     qw = quantized(rng, n, k, scale=k ** -0.5)
-    w = fp4_weight.upload(qw)
-    wide = rnd(rng, m, k + 64)  # x row-strided, a column slice of a wider activation
-    x, dx = wide[:, 64:], cb.asarray(wide, "act")[:, 64:]
-    for dtype in (cp.float32, cb.act):
-        y = cp.empty((m, n), dtype=dtype)
-        bits(y)[...] = NAN_BITS  # every output must be written
-        sg.stream_gemm(dx, w, y, cb.num_sms, cb.tuning)
-        check(cb.to_numpy(y), ref_gemm(x, qw), tol=1e-5 if dtype == cp.float32 else 1e-2)
+    check_stream_gemm(cb, rng, qw, fp4_weight.upload(qw), m)
 
 
 @pytest.mark.parametrize("m", [1, 16])
@@ -113,16 +102,8 @@ def test_linear_routes_by_rows_and_k(cb, rng, m, monkeypatch):
 
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1000, 512)])
 def test_fp4_rows_do_not_depend_on_the_other_rows(cb, rng, n, k):
-    """Row i of a 16-row product has the bits of the 1-row product of x[i] (a verify row == its decode)."""
-    skip_without_tma()
-    w = fp4_weight.upload(quantized(rng, n, k))
-    x = cb.asarray(rnd(rng, 16, k), "act")
-    full = cp.empty((16, n), cp.float32)
-    sg.stream_gemm(x, w, full, cb.num_sms, cb.tuning)
-    for lo, hi in ((0, 1), (3, 4), (15, 16), (2, 9), (0, 5)):
-        part = cp.empty((hi - lo, n), cp.float32)
-        sg.stream_gemm(x[lo:hi], w, part, cb.num_sms, cb.tuning)
-        assert cp.array_equal(part.view(cp.uint32), full[lo:hi].view(cp.uint32)), (lo, hi)
+    """test_quant_gemm.check_rows_alone on an Fp4Weight."""
+    check_rows_alone(cb, rng, fp4_weight.upload(quantized(rng, n, k)))
 
 
 @pytest.mark.parametrize("m", [1, 9, 16])

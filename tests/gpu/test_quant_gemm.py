@@ -51,9 +51,15 @@ def ref_gemm(x: np.ndarray, w: QuantizedWeight) -> np.ndarray:
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 3, 9, 16])  # x resident; x in boxes of one and of two token tiles
 def test_fp8_stream_gemm_matches_numpy(cb, rng, n, k, m):
-    skip_without_tma()
     qw = quantized(rng, n, k, scale=k ** -0.5)
-    w = fp8_weight.upload(qw)
+    check_stream_gemm(cb, rng, qw, fp8_weight.upload(qw), m)
+
+
+def check_stream_gemm(cb, rng, qw: QuantizedWeight, w, m: int) -> None:
+    """The streaming GEMM of x [m, K] over `w` (qw uploaded), float32 and bf16 out, every output written, against
+    float64 over qw's dequantized values."""
+    skip_without_tma()
+    n, k = qw.shape
     wide = rnd(rng, m, k + 64)  # x row-strided, a column slice of a wider activation
     x, dx = wide[:, 64:], cb.asarray(wide, "act")[:, 64:]
     for dtype in (cp.float32, cb.act):
@@ -161,11 +167,11 @@ def test_linear_routes_by_rows_and_k(cb, rng, m, monkeypatch):
     check_routes(cb, rng, m, monkeypatch, quantized, ref_gemm, off_k=384)
 
 
-@pytest.mark.parametrize("n,k", [(4096, 1024), (1000, 512)])
-def test_fp8_rows_do_not_depend_on_the_other_rows(cb, rng, n, k):
-    """Row i of a 16-row product has the bits of the 1-row product of x[i] (a verify row == its decode)."""
+def check_rows_alone(cb, rng, w) -> None:
+    """Row i of a 16-row product over w [n, k] has the bits of the 1-row product of x[i] (a verify row == its
+    decode), for rows alone and in runs."""
     skip_without_tma()
-    w = fp8_weight.upload(quantized(rng, n, k))
+    n, k = w.shape
     x = cb.asarray(rnd(rng, 16, k), "act")
     full = cp.empty((16, n), cp.float32)
     sg.stream_gemm(x, w, full, cb.num_sms, cb.tuning)
@@ -173,6 +179,12 @@ def test_fp8_rows_do_not_depend_on_the_other_rows(cb, rng, n, k):
         part = cp.empty((hi - lo, n), cp.float32)
         sg.stream_gemm(x[lo:hi], w, part, cb.num_sms, cb.tuning)
         assert cp.array_equal(part.view(cp.uint32), full[lo:hi].view(cp.uint32)), (lo, hi)
+
+
+@pytest.mark.parametrize("n,k", [(4096, 1024), (1000, 512)])
+def test_fp8_rows_do_not_depend_on_the_other_rows(cb, rng, n, k):
+    """check_rows_alone on an Fp8Weight."""
+    check_rows_alone(cb, rng, fp8_weight.upload(quantized(rng, n, k)))
 
 
 def check_epilogues(cb, rng, m: int, quantized, h: int, weight_type: type) -> None:
