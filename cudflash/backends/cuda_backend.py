@@ -77,6 +77,11 @@ def engine_stream() -> cupy.cuda.Stream:
     return cupy.cuda.Stream(non_blocking=True)
 
 
+def _format_module(w: Fp8Weight | Fp4Weight):
+    """The module of a quantized weight's format (fp8_weight or fp4_weight): its concat, take_rows, dequantize_bf16."""
+    return fp8_weight if isinstance(w, Fp8Weight) else fp4_weight
+
+
 class CudaBackend:
     name = "cuda"
     act_itemsize = 2  # bf16
@@ -221,7 +226,7 @@ class CudaBackend:
         if any(quantized):
             if not all(quantized) or axis != 0 or len({type(x) for x in xs}) != 1:
                 raise BackendError("cuda cat: quantized weights concatenate along the rows, all of one format")
-            return (fp8_weight if isinstance(xs[0], Fp8Weight) else fp4_weight).concat(xs)
+            return _format_module(xs[0]).concat(xs)
         act = bool(xs) and xs[0].dtype == self.act
         xs = [bits(x) for x in xs] if act else list(xs)
         shape = list(xs[0].shape)
@@ -238,7 +243,7 @@ class CudaBackend:
     def take_rows(self, x: cupy.ndarray, rows: Any) -> cupy.ndarray:
         rows = device_i32(rows)
         if isinstance(x, (Fp8Weight, Fp4Weight)):  # a quantized weight's rows at load (a hybrid's q_proj split)
-            return (fp8_weight if isinstance(x, Fp8Weight) else fp4_weight).take_rows(x, rows)
+            return _format_module(x).take_rows(x, rows)
         row_bytes = x.shape[1] * x.itemsize if x.ndim == 2 else 0
         if x.ndim == 2 and x.strides[1] == x.itemsize and row_bytes % 16 == 0 and x.data.ptr % 16 == 0 \
                 and (x.shape[0] <= 1 or x.strides[0] % 16 == 0):
@@ -412,8 +417,8 @@ class CudaBackend:
             return y
         y = cupy.empty((m, n), dtype=cupy.float32 if swiglu else out_dtype)
         if m:
-            module = fp8_weight if bits == 8 else fp4_weight
-            self.blas.gemm_bf16(self._gemm_rows(x, False), module.dequantize_bf16(weight, self.act, self.tuning), y)
+            dense = _format_module(weight).dequantize_bf16(weight, self.act, self.tuning)
+            self.blas.gemm_bf16(self._gemm_rows(x, False), dense, y)
         return self._swiglu_rows(y) if swiglu else y
 
     def _add_bias(self, y: cupy.ndarray, bias: cupy.ndarray | None) -> cupy.ndarray:
