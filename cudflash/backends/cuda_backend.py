@@ -14,9 +14,10 @@ from typing import Any
 import cupy
 import numpy as np
 
-from cudflash.backends import cuda_gdn, cuda_gdn_chunk, fp4_weight, fp8_weight, kernel_loader, stream_gemm
+from cudflash.backends import cuda_gdn, cuda_gdn_chunk, fp4_weight, fp8_weight, kernel_loader, stream_gemm, w8a8
 from cudflash.backends.base import AttentionMeta, DeferredNorm
 from cudflash.backends.cublas import Cublas
+from cudflash.backends.cublaslt import CublasLt
 from cudflash.backends.cuda_attention import attention as _attention
 from cudflash.backends.cuda_attention import DeviceMeta, upload_meta
 from cudflash.backends.fp4_weight import Fp4Weight
@@ -391,9 +392,10 @@ class CudaBackend:
         """_gemm for an FP8 or NVFP4 weight. Up to 16 rows (stream_gemm.usable_quantized): the streaming GEMM reads
         the codes, with the epilogues as for bf16; up to tuning.quantized_stream_max_rows rows it does so in launches
         of 16 rows (stream_gemm.streams_quantized: a verify of a few sequences). Else (prefill, large batches, K off
-        the stage's columns): the weight is dequantized into a bf16 scratch array (the exact values rounded once,
-        fp8_dequant.cu / fp4_dequant.cu) and cuBLAS runs on it: one more pass over the weight (1 or 0.56 bytes read,
-        2 written) per GEMM, small beside a GEMM of many rows, which is compute bound."""
+        the stage's columns): with tuning.fp8_w8a8 an FP8 weight's product runs on the FP8 tensor cores, x quantized
+        per row and 128 columns (w8a8.py); else the weight is dequantized into a bf16 scratch array (the exact values
+        rounded once, fp8_dequant.cu / fp4_dequant.cu) and cuBLAS runs on it: one more pass over the weight (1 or
+        0.56 bytes read, 2 written) per GEMM, small beside a GEMM of many rows, which is compute bound."""
         n, k = weight.shape
         bits = stream_gemm.weight_bits(weight)
         if isinstance(x, DeferredNorm):
@@ -415,11 +417,20 @@ class CudaBackend:
             for rows in stream_gemm.stream_chunks(m):
                 stream_gemm.stream_gemm(x[rows], weight, y[rows], self.num_sms, self.tuning, swiglu)
             return y
+        if bits == 8 and self.tuning.fp8_w8a8 and w8a8.usable(m, n, k):
+            y = w8a8.gemm(self.blas_lt, self._gemm_rows(x, True), weight, cupy.float32 if swiglu else out_dtype,
+                          self.tuning)
+            return self._swiglu_rows(y) if swiglu else y
         y = cupy.empty((m, n), dtype=cupy.float32 if swiglu else out_dtype)
         if m:
             dense = _format_module(weight).dequantize_bf16(weight, self.act, self.tuning)
             self.blas.gemm_bf16(self._gemm_rows(x, False), dense, y)
         return self._swiglu_rows(y) if swiglu else y
+
+    @functools.cached_property
+    def blas_lt(self) -> CublasLt:
+        """The cuBLASLt handle of the W8A8 GEMMs (tuning.fp8_w8a8), made at its first use."""
+        return CublasLt()
 
     def _add_bias(self, y: cupy.ndarray, bias: cupy.ndarray | None) -> cupy.ndarray:
         m, n = y.shape

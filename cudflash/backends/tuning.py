@@ -51,6 +51,11 @@ class CudaTuning:
     # reading the whole weight (the rows keep the bits they have alone); more rows dequantize the weight to bf16 and
     # run cuBLAS, one more pass over the weight that a few launches beat (BENCHMARKS.md). 16: no launch beyond one.
     quantized_stream_max_rows: int = 64
+    # FP8 products of more rows than that run W8A8 on the FP8 tensor cores (backends/w8a8.py: x quantized per row and
+    # 128 columns, cuBLASLt's block-scaled FP8 GEMM) instead of dequantizing the weight for cuBLAS's bf16 GEMM. Off
+    # until measured end to end: faster per GEMM from 128 rows on (BENCHMARKS.md, session 19), but it rounds x to
+    # FP8, so those rows no longer have a decode's bits.
+    fp8_w8a8: bool = False
     # A folder to compile the CUDA sources from instead of the package's: an A/B of kernel code in one checkout.
     kernel_dir: str | None = None
     # Extra NVRTC options for every module, e.g. -lineinfo, or the step timeline's -DCF_TRACE

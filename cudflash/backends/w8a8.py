@@ -1,0 +1,61 @@
+"""W8A8: the many-row GEMMs over an FP8 weight on the FP8 tensor cores, the activations quantized per row and 128
+columns (issue 23 item 3: faster than dequantizing the weight for cuBLAS's bf16 GEMM from ~128 rows on at Qwen3-8B
+shapes, BENCHMARKS.md session 19).
+
+    y = (x as E4M3 codes * their scales) @ (w's codes * its scales).T, float32 accumulation, bf16 or float32 out
+
+The activations: fp8_act_quant.cu, whose definition is quant.weight.quantize_fp8_block(x, (1, 128)); so a W8A8
+product differs from the exact one by x's FP8 rounding (a relative 2^-4 per element at most), which is why only the
+many-row path takes it (a decode or verify of up to quantized_stream_max_rows rows keeps W8A16 and its bits).
+The weight's scales: one per row and 128 columns (scale[rows[n], b] of the Fp8Weight), [K / 128, N] row-major,
+cuBLASLt's VEC128_32F mode for the weight too (1D x 1D). Gathered on the device at each GEMM (1/32 of the codes'
+bytes: ~3 MB at a Qwen3-8B gate_up), so any row map works (the interleaved gate_up, a fused qkv off the 128-row grid,
+per-channel scales, a row slice) and nothing is decided on the host: no sync, legal under graph capture. (A weight on
+the plain 128 x 128 grid could hand cuBLASLt its scales as they are, BLK128x128_32F: not measured against this.)
+Shapes: K % 128 == 0 and N % 16 == 0 (cuBLASLt's FP8 alignment); rows are padded to a multiple of 16 (zero codes).
+"""
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+from cudflash.backends import kernel_loader
+from cudflash.backends.cublaslt import SCALE_VEC128_32F, CublasLt
+from cudflash.backends.cuda_util import cdiv, i32, i64
+from cudflash.backends.fp8_weight import SCALE_COLS, Fp8Weight
+from cudflash.backends.tuning import CudaTuning
+
+ROW_MULTIPLE = 16  # rows of x per GEMM rounded up to this (the activation scales' rows, 16-byte aligned)
+
+
+def usable(m: int, n: int, k: int) -> bool:
+    """Whether x [m, k] @ w [n, k].T over an FP8 weight can run as W8A8 here."""
+    return m >= 1 and k % SCALE_COLS == 0 and n % 16 == 0
+
+
+def row_scales(scale, rows, xp=np):
+    """[K / 128, N]: scale[rows[n], b] at [b, n], the weight's scales per row and 128 columns (`xp`: numpy or
+    CuPy)."""
+    return xp.ascontiguousarray(scale[rows].T)
+
+
+def quantize_rows(x: cupy.ndarray, rows: int, tuning: CudaTuning) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """x [M, K] bf16 (unit column stride, rows 8-byte aligned) -> (codes [rows, K] uint8, scales [K / 128, rows]
+    float32), rows >= M (the padding rows: zero codes, scale 1)."""
+    m, k = x.shape
+    codes = cupy.empty((rows, k), dtype=cupy.uint8)
+    scales = cupy.empty((k // SCALE_COLS, rows), dtype=cupy.float32)
+    ldx = x.strides[0] // x.itemsize if m > 1 else k
+    kern = kernel_loader.function("fp8_act_quant", "fp8_act_quant", tuning=tuning)
+    kern((cdiv(k // SCALE_COLS, 4), rows), (128,), (x, i64(ldx), codes, scales, i32(m), i32(rows), i32(k)))
+    return codes, scales
+
+
+def gemm(lt: CublasLt, x: cupy.ndarray, w: Fp8Weight, out_dtype: np.dtype, tuning: CudaTuning) -> cupy.ndarray:
+    """y [M, N] of out_dtype (bf16 or float32) = W8A8 of x [M, K] bf16 @ w.T (`usable`)."""
+    m = x.shape[0]
+    rows = cdiv(m, ROW_MULTIPLE) * ROW_MULTIPLE
+    codes, x_scales = quantize_rows(x, rows, tuning)
+    y = cupy.empty((rows, w.shape[0]), dtype=out_dtype)
+    lt.gemm_fp8(codes, x_scales, w.data, row_scales(w.scale, w.rows, xp=cupy), SCALE_VEC128_32F, y)
+    return y[:m]

@@ -1,0 +1,94 @@
+"""W8A8 on the FP8 tensor cores (backends/w8a8.py, cublaslt.py, kernels/fp8_act_quant.cu): the activations' FP8
+codes and scales bit for bit against numpy's definition (quant.weight.quantize_fp8_block with 1 x 128 blocks), the
+GEMM against float64 over the same FP8 values for every weight row map the backend makes (the 128 x 128 grid, an
+interleaved gate_up, a row slice), and CudaBackend.linear's route with tuning.fp8_w8a8."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+
+from cudflash.backends import fp8_weight, w8a8  # noqa: E402
+from cudflash.quant import dequantize, quantize_fp8_block  # noqa: E402
+from cudflash.quant.numerics import decode_e4m3  # noqa: E402
+
+from .test_ops import check, rnd  # noqa: E402
+from .test_stream_gemm import skip_without_tma  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cb():
+    from cudflash.backends.cuda_backend import CudaBackend
+
+    return CudaBackend(tuning={"fp8_on_device": True, "fp8_w8a8": True})
+
+
+def quantized(rng, n: int, k: int):
+    return quantize_fp8_block((rng.standard_normal((n, k)) * k ** -0.5).astype(np.float32))
+
+
+def x_fp8_values(x: np.ndarray) -> np.ndarray:
+    """x as W8A8 multiplies it: numpy's 1 x 128 block quantization, dequantized (float64)."""
+    return dequantize(quantize_fp8_block(x.astype(np.float32), (1, 128))).astype(np.float64)
+
+
+@pytest.mark.parametrize("m,rows", [(1, 16), (17, 32), (300, 304)])
+def test_activation_codes_and_scales_are_numpys(cb, rng, m, rows):
+    k = 512
+    wide = rnd(rng, m, k + 128)
+    wide[0, 128 + 128: 128 + 256] = 0.0  # a block of zeros: scale 1
+    wide[-1, 128 + 5] = 3e4  # a large element: its block's codes reach +-448 exactly
+    dx = cb.asarray(wide, "act")[:, 128:]  # rows apart by K + 128: a column slice
+    x = cb.to_numpy(dx).astype(np.float32)
+    codes, scales = w8a8.quantize_rows(dx, rows, cb.tuning)
+    ref = quantize_fp8_block(x, (1, 128))
+    assert codes.shape == (rows, k) and scales.shape == (k // 128, rows)
+    assert np.array_equal(cp.asnumpy(codes[:m]), ref.data)
+    assert np.array_equal(cp.asnumpy(scales[:, :m]).view(np.uint32), ref.scale.T.view(np.uint32))
+    assert not cp.asnumpy(codes[m:]).any() and np.all(cp.asnumpy(scales[:, m:]) == 1.0)
+    assert decode_e4m3(ref.data[-1]).max() == 448.0
+
+
+@pytest.mark.parametrize("m", [17, 100, 300])
+@pytest.mark.parametrize("layout", ["grid", "gate_up", "slice"])
+def test_w8a8_gemm_matches_float64_over_the_same_fp8_values(cb, rng, m, layout):
+    skip_without_tma()
+    k = 1024
+    if layout == "gate_up":
+        gate, up = quantized(rng, 256, k), quantized(rng, 256, k)
+        w = cb.gate_up_weight(fp8_weight.upload(gate), fp8_weight.upload(up))
+        wd = np.empty((512, k))  # the interleave in float64: rows 16 j .. + 7 gate 8 j .., the next 8 up
+        g, u = dequantize(gate).reshape(32, 8, k), dequantize(up).reshape(32, 8, k)
+        wd.reshape(32, 16, k)[:, :8], wd.reshape(32, 16, k)[:, 8:] = g, u
+    else:
+        qw = quantized(rng, 640, k)
+        w, wd = fp8_weight.upload(qw), dequantize(qw).astype(np.float64)
+        if layout == "slice":  # rows 128 .. 512: a view into the whole scale array
+            w, wd = w[128:512], wd[128:512]
+    x = rnd(rng, m, k)
+    dx = cb.asarray(x, "act")
+    ref = x_fp8_values(cb.to_numpy(dx)) @ wd.T
+    for dtype in (cp.float32, cb.act):
+        y = w8a8.gemm(cb.blas_lt, dx, w, dtype, cb.tuning)
+        assert y.shape == (m, w.shape[0]) and y.dtype == dtype
+        check(cb.to_numpy(y), ref, tol=1e-5 if dtype == cp.float32 else 1e-2)
+
+
+def test_linear_takes_w8a8_above_the_streamed_rows(cb, rng, monkeypatch):
+    """With tuning.fp8_w8a8, more rows than quantized_stream_max_rows run W8A8 (the product of x's FP8 values); at or
+    below it the codes stream (no W8A8 call: the exact product)."""
+    skip_without_tma()
+    calls = []
+    real = w8a8.gemm
+    monkeypatch.setattr(w8a8, "gemm", lambda *a: calls.append(a[1].shape) or real(*a))
+    qw = quantized(rng, 512, 1024)
+    w = cb.load_quantized(qw)
+    for m in (64, 65, 400):
+        dx = cb.asarray(rnd(rng, m, 1024), "act")
+        x = cb.to_numpy(dx)
+        calls.clear()
+        y = cb.linear(dx, w, out_f32=True)
+        assert calls == ([(m, 1024)] if m > 64 else [])
+        xs = x_fp8_values(x) if m > 64 else x.astype(np.float64)
+        check(cb.to_numpy(y), xs @ dequantize(qw).astype(np.float64).T, tol=1e-5)
