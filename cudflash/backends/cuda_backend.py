@@ -418,7 +418,7 @@ class CudaBackend:
                 stream_gemm.stream_gemm(x[rows], weight, y[rows], self.num_sms, self.tuning, swiglu)
             return y
         if bits == 8 and self.tuning.fp8_w8a8 and w8a8.usable(m, n, k):
-            y = w8a8.gemm(self.blas_lt, self._gemm_rows(x, True), weight, cupy.float32 if swiglu else out_dtype,
+            y = w8a8.gemm(self._blas_lt, self._gemm_rows(x, True), weight, cupy.float32 if swiglu else out_dtype,
                           self.tuning)
             return self._swiglu_rows(y) if swiglu else y
         y = cupy.empty((m, n), dtype=cupy.float32 if swiglu else out_dtype)
@@ -428,7 +428,7 @@ class CudaBackend:
         return self._swiglu_rows(y) if swiglu else y
 
     @functools.cached_property
-    def blas_lt(self) -> CublasLt:
+    def _blas_lt(self) -> CublasLt:
         """The cuBLASLt handle of the W8A8 GEMMs (tuning.fp8_w8a8), made at its first use."""
         return CublasLt()
 

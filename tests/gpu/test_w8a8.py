@@ -24,6 +24,13 @@ def cb():
     return CudaBackend(tuning={"fp8_on_device": True, "fp8_w8a8": True})
 
 
+@pytest.fixture(scope="module")
+def lt():
+    from cudflash.backends.cublaslt import CublasLt
+
+    return CublasLt()
+
+
 def quantized(rng, n: int, k: int):
     return quantize_fp8_block((rng.standard_normal((n, k)) * k ** -0.5).astype(np.float32))
 
@@ -52,7 +59,7 @@ def test_activation_codes_and_scales_are_numpys(cb, rng, m, rows):
 
 @pytest.mark.parametrize("m", [17, 100, 300])
 @pytest.mark.parametrize("layout", ["grid", "gate_up", "slice"])
-def test_w8a8_gemm_matches_float64_over_the_same_fp8_values(cb, rng, m, layout):
+def test_w8a8_gemm_matches_float64_over_the_same_fp8_values(cb, lt, rng, m, layout):
     skip_without_tma()
     k = 1024
     if layout == "gate_up":
@@ -70,7 +77,7 @@ def test_w8a8_gemm_matches_float64_over_the_same_fp8_values(cb, rng, m, layout):
     dx = cb.asarray(x, "act")
     ref = x_fp8_values(cb.to_numpy(dx)) @ wd.T
     for dtype in (cp.float32, cb.act):
-        y = w8a8.gemm(cb.blas_lt, dx, w, dtype, cb.tuning)
+        y = w8a8.gemm(lt, dx, w, dtype, cb.tuning)
         assert y.shape == (m, w.shape[0]) and y.dtype == dtype
         check(cb.to_numpy(y), ref, tol=1e-5 if dtype == cp.float32 else 1e-2)
 
