@@ -6,15 +6,16 @@
 // contiguous; scales [K / 128, MP] float32 contiguous (a block column's MP row scales together: the layout cuBLASLt's
 // VEC128_32F mode reads for the activations). Rows m in M .. MP - 1 (padding up to the GEMM's row multiple) get zero
 // codes and scale 1.
-// Grid: (K / 128 / 4 rounded up, MP), 128 threads: warp w of CTA (bx, m) takes block b = 4 bx + w of row m, lane l its
-// columns 4 l .. 4 l + 3 (one 8-byte load); the amax by xor-shuffles, the codes by cvt.rn.satfinite.e4m3x2.f32.
+// Grid: (MP, K / 128 / 4 rounded up), 128 threads (rows on x: a prefill's 65536 rows exceed grid y): warp w of CTA
+// (m, by) takes block b = 4 by + w of row m, lane l its columns 4 l .. 4 l + 3 (one 8-byte load); the amax by
+// xor-shuffles, the codes by cvt.rn.satfinite.e4m3x2.f32.
 #include "common.cuh"
 
 extern "C" __global__ void fp8_act_quant(const bf16* __restrict__ x, long long ldx, unsigned char* __restrict__ codes,
                               float* __restrict__ scales, int M, int MP, int K) {
     pdl_entry();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int b = blockIdx.x * 4 + warp, m = blockIdx.y;
+    const int m = blockIdx.x, b = blockIdx.y * 4 + warp;
     if (b >= K / 128) return;
     float v[4] = {0.f, 0.f, 0.f, 0.f};
     if (m < M) {
@@ -29,9 +30,12 @@ extern "C" __global__ void fp8_act_quant(const bf16* __restrict__ x, long long l
     float scale = __fdiv_rn(amax, 448.f);
     if (scale == 0.f) scale = 1.f;
     if (__any_sync(0xffffffffu, nan)) scale = __int_as_float(0x7fc00000);  // fmaxf drops NaN; numpy's max keeps it
+    float q[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) q[j] = __fdiv_rn(v[j], scale);
     unsigned short lo, hi;  // cvt packs its first source into the upper byte
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(__fdiv_rn(v[1], scale)), "f"(__fdiv_rn(v[0], scale)));
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(__fdiv_rn(v[3], scale)), "f"(__fdiv_rn(v[2], scale)));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(q[1]), "f"(q[0]));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(q[3]), "f"(q[2]));
     reinterpret_cast<unsigned*>(codes + (long long)m * K + 128 * b)[lane] = (unsigned)lo | ((unsigned)hi << 16);
     if (lane == 0) scales[(long long)b * MP + m] = scale;
 }

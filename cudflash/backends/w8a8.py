@@ -47,7 +47,7 @@ def quantize_rows(x: cupy.ndarray, rows: int, tuning: CudaTuning) -> tuple[cupy.
     scales = cupy.empty((k // SCALE_COLS, rows), dtype=cupy.float32)
     ldx = x.strides[0] // x.itemsize if m > 1 else k
     kern = kernel_loader.function("fp8_act_quant", "fp8_act_quant", tuning=tuning)
-    kern((cdiv(k // SCALE_COLS, 4), rows), (128,), (x, i64(ldx), codes, scales, i32(m), i32(rows), i32(k)))
+    kern((rows, cdiv(k // SCALE_COLS, 4)), (128,), (x, i64(ldx), codes, scales, i32(m), i32(rows), i32(k)))
     return codes, scales
 
 
