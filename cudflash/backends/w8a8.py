@@ -7,11 +7,13 @@ shapes, BENCHMARKS.md session 19).
 The activations: fp8_act_quant.cu, whose definition is quant.weight.quantize_fp8_block(x, (1, 128)); so a W8A8
 product differs from the exact one by x's FP8 rounding (a relative 2^-4 per element at most), which is why only the
 many-row path takes it (a decode or verify of up to quantized_stream_max_rows rows keeps W8A16 and its bits).
-The weight's scales: one per row and 128 columns (scale[rows[n], b] of the Fp8Weight), [K / 128, N] row-major,
-cuBLASLt's VEC128_32F mode for the weight too (1D x 1D). Gathered on the device at each GEMM (1/32 of the codes'
-bytes: ~3 MB at a Qwen3-8B gate_up), so any row map works (the interleaved gate_up, a fused qkv off the 128-row grid,
-per-channel scales, a row slice) and nothing is decided on the host: no sync, legal under graph capture. (A weight on
-the plain 128 x 128 grid could hand cuBLASLt its scales as they are, BLK128x128_32F: not measured against this.)
+The weight's scales, in one of two forms cuBLASLt takes for its operand A:
+  - on the 128 x 128 grid (Fp8Weight.block_grid: the Qwen -FP8 layout, random_fp8): Fp8Weight.scale as it is,
+    [ceil(N / 128), K / 128] row-major, mode BLK128x128_32F (the 1D x 2D form the probe measured);
+  - any other row map (the interleaved gate_up, a fused qkv off the grid, per-channel scales, a row slice): one
+    scale per row and 128 columns, scale[rows[n], b] at [b, n] of a [K / 128, N] array gathered on the device at each
+    GEMM (1/32 of the codes' bytes: ~3 MB at a Qwen3-8B gate_up), mode VEC128_32F (1D x 1D). Nothing is decided from
+    device data: no sync, legal under graph capture.
 Shapes: K % 128 == 0 and N % 16 == 0 (cuBLASLt's FP8 alignment); rows are padded to a multiple of 16 (zero codes).
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ import cupy
 import numpy as np
 
 from cudflash.backends import kernel_loader
-from cudflash.backends.cublaslt import SCALE_VEC128_32F, CublasLt
+from cudflash.backends.cublaslt import SCALE_BLK128X128_32F, SCALE_VEC128_32F, CublasLt
 from cudflash.backends.cuda_util import cdiv, i32, i64
 from cudflash.backends.fp8_weight import SCALE_COLS, Fp8Weight
 from cudflash.backends.tuning import CudaTuning
@@ -51,11 +53,24 @@ def quantize_rows(x: cupy.ndarray, rows: int, tuning: CudaTuning) -> tuple[cupy.
     return codes, scales
 
 
-def gemm(lt: CublasLt, x: cupy.ndarray, w: Fp8Weight, out_dtype: np.dtype, tuning: CudaTuning) -> cupy.ndarray:
-    """y [M, N] of out_dtype (bf16 or float32) = W8A8 of x [M, K] bf16 @ w.T (`usable`)."""
+def weight_scales(w: Fp8Weight, block: bool | None = None) -> tuple[cupy.ndarray, int]:
+    """(w's scales for the GEMM, their cuBLASLt mode): the block grid as it is where w is on it (or `block`), else
+    the gathered row scales."""
+    if (w.block_grid if block is None else block):
+        if not w.block_grid:
+            raise ValueError("block scales asked of a weight that is not on the 128 x 128 grid")
+        return w.scale, SCALE_BLK128X128_32F
+    return row_scales(w.scale, w.rows, xp=cupy), SCALE_VEC128_32F
+
+
+def gemm(lt: CublasLt, x: cupy.ndarray, w: Fp8Weight, out_dtype: np.dtype, tuning: CudaTuning,
+         block: bool | None = None) -> cupy.ndarray:
+    """y [M, N] of out_dtype (bf16 or float32) = W8A8 of x [M, K] bf16 @ w.T (`usable`); `block`: the weight's
+    scale form (`weight_scales`; None: the grid's where it is on it)."""
     m = x.shape[0]
     rows = cdiv(m, ROW_MULTIPLE) * ROW_MULTIPLE
     codes, x_scales = quantize_rows(x, rows, tuning)
     y = cupy.empty((rows, w.shape[0]), dtype=out_dtype)
-    lt.gemm_fp8(codes, x_scales, w.data, row_scales(w.scale, w.rows, xp=cupy), SCALE_VEC128_32F, y)
+    w_scales, mode = weight_scales(w, block)
+    lt.gemm_fp8(codes, x_scales, w.data, w_scales, mode, y)
     return y[:m]

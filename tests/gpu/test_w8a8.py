@@ -58,26 +58,31 @@ def test_activation_codes_and_scales_are_numpys(cb, rng, m, rows):
 
 
 @pytest.mark.parametrize("m", [17, 100, 300])
-@pytest.mark.parametrize("layout", ["grid", "gate_up", "slice"])
+@pytest.mark.parametrize("layout", ["grid", "grid as rows", "gate_up", "slice"])
 def test_w8a8_gemm_matches_float64_over_the_same_fp8_values(cb, lt, rng, m, layout):
+    """Each weight scale form: the 128 x 128 grid as it is (BLK128x128), the same weight's scales gathered per row
+    (VEC128, "grid as rows"), and the row maps only the gathered form takes."""
     skip_without_tma()
     k = 1024
     if layout == "gate_up":
         gate, up = quantized(rng, 256, k), quantized(rng, 256, k)
         w = cb.gate_up_weight(fp8_weight.upload(gate), fp8_weight.upload(up))
+        assert not w.block_grid
         wd = np.empty((512, k))  # the interleave in float64: rows 16 j .. + 7 gate 8 j .., the next 8 up
         g, u = dequantize(gate).reshape(32, 8, k), dequantize(up).reshape(32, 8, k)
         wd.reshape(32, 16, k)[:, :8], wd.reshape(32, 16, k)[:, 8:] = g, u
     else:
         qw = quantized(rng, 640, k)
         w, wd = fp8_weight.upload(qw), dequantize(qw).astype(np.float64)
+        assert w.block_grid
         if layout == "slice":  # rows 128 .. 512: a view into the whole scale array
             w, wd = w[128:512], wd[128:512]
+            assert not w.block_grid
     x = rnd(rng, m, k)
     dx = cb.asarray(x, "act")
     ref = x_fp8_values(cb.to_numpy(dx)) @ wd.T
     for dtype in (cp.float32, cb.act):
-        y = w8a8.gemm(lt, dx, w, dtype, cb.tuning)
+        y = w8a8.gemm(lt, dx, w, dtype, cb.tuning, block=False if layout == "grid as rows" else None)
         assert y.shape == (m, w.shape[0]) and y.dtype == dtype
         check(cb.to_numpy(y), ref, tol=1e-5 if dtype == cp.float32 else 1e-2)
 
