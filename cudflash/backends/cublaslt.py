@@ -109,7 +109,9 @@ class CublasLt:
                     "MatrixLayoutCreate")
         return out
 
-    def _plan(self, m: int, n: int, k: int, w_mode: int, y_type: int) -> _Plan:
+    def _plan(self, m: int, n: int, k: int, w_mode: int, y_type: int, scales: tuple[int, int]) -> _Plan:
+        """The descriptors and algorithm of one GEMM shape. `scales` (A's, B's device pointers) are set before the
+        heuristic: with block scale modes it refuses a descriptor whose scale pointers are null (status 7)."""
         key = (m, n, k, w_mode, y_type)
         if key in self._plans:
             return self._plans[key]
@@ -120,6 +122,8 @@ class CublasLt:
         self._set(desc, DESC_TRANSB, ctypes.c_int32(CUBLAS_OP_N))
         self._set(desc, DESC_A_SCALE_MODE, ctypes.c_int32(w_mode))
         self._set(desc, DESC_B_SCALE_MODE, ctypes.c_int32(SCALE_VEC128_32F))
+        self._set(desc, DESC_A_SCALE_POINTER, ctypes.c_void_p(scales[0]))
+        self._set(desc, DESC_B_SCALE_POINTER, ctypes.c_void_p(scales[1]))
         layouts = (self._layout(CUDA_R_8F_E4M3, k, n, k), self._layout(CUDA_R_8F_E4M3, k, m, k),
                    self._layout(y_type, n, m, n))
         vp = ctypes.c_void_p
@@ -139,10 +143,10 @@ class CublasLt:
         """y [M, N] (bf16 or float32, contiguous) = x @ w.T: x_codes [M, K] and w_codes [N, K] uint8 E4M3
         contiguous, x_scales in VEC128_32F's layout, w_scales in w_mode's (w8a8.py makes both); K % 128 == 0."""
         (m, k), n = x_codes.shape, w_codes.shape[0]
-        plan = self._plan(m, n, k, w_mode, CUDA_R_32F if y.dtype == cupy.float32 else CUDA_R_16BF)
-        a_scale, b_scale = ctypes.c_void_p(w_scales.data.ptr), ctypes.c_void_p(x_scales.data.ptr)
-        self._set(plan.desc, DESC_A_SCALE_POINTER, a_scale)
-        self._set(plan.desc, DESC_B_SCALE_POINTER, b_scale)
+        scales = (w_scales.data.ptr, x_scales.data.ptr)
+        plan = self._plan(m, n, k, w_mode, CUDA_R_32F if y.dtype == cupy.float32 else CUDA_R_16BF, scales)
+        self._set(plan.desc, DESC_A_SCALE_POINTER, ctypes.c_void_p(scales[0]))
+        self._set(plan.desc, DESC_B_SCALE_POINTER, ctypes.c_void_p(scales[1]))
         a, b, c = plan.layouts
         self._check(self.fn["cublasLtMatmul"](
             self.handle, plan.desc, ctypes.byref(self._alpha), w_codes.data.ptr, a, x_codes.data.ptr, b,
