@@ -52,10 +52,10 @@ class CudaTuning:
     # run cuBLAS, one more pass over the weight that a few launches beat (BENCHMARKS.md). 16: no launch beyond one.
     quantized_stream_max_rows: int = 64
     # FP8 products of more rows than that run W8A8 on the FP8 tensor cores (backends/w8a8.py: x quantized per row and
-    # 128 columns, cuBLASLt's block-scaled FP8 GEMM) instead of dequantizing the weight for cuBLAS's bf16 GEMM. Off
-    # until measured end to end: faster per GEMM from 128 rows on (BENCHMARKS.md, session 19), but it rounds x to
-    # FP8, so those rows no longer have a decode's bits.
-    fp8_w8a8: bool = False
+    # 128 columns, cuBLASLt's block-scaled FP8 GEMM) instead of dequantizing the weight for cuBLAS's bf16 GEMM: 1.4x
+    # the prefill of 2048 tokens and 3.3x the speculative step at batch 8 (BENCHMARKS.md, session 20). Those rows
+    # round x to FP8, so a verify of that many rows no longer has a decode's bits (nor had it through cuBLAS).
+    fp8_w8a8: bool = True
     # A folder to compile the CUDA sources from instead of the package's: an A/B of kernel code in one checkout.
     kernel_dir: str | None = None
     # Extra NVRTC options for every module, e.g. -lineinfo, or the step timeline's -DCF_TRACE

@@ -31,6 +31,12 @@ def lt():
     return CublasLt()
 
 
+# The FP8 tensor cores' products of W8A8 against float64 over the same FP8 values: the H200 measured a relative error
+# of 1.25e-4 to 1.28e-4 at K 1024 (session 20), what an accumulation keeping ~14 bits inside each 128-column block
+# gives (DeepSeek-V3's report measured the same of Hopper's FP8 MMA); a scale in the wrong place errs by percents.
+FP8_MMA_TOL = 1e-3
+
+
 def quantized(rng, n: int, k: int):
     return quantize_fp8_block((rng.standard_normal((n, k)) * k ** -0.5).astype(np.float32))
 
@@ -84,7 +90,7 @@ def test_w8a8_gemm_matches_float64_over_the_same_fp8_values(cb, lt, rng, m, layo
     for dtype in (cp.float32, cb.act):
         y = w8a8.gemm(lt, dx, w, dtype, cb.tuning, block=False if layout == "grid as rows" else None)
         assert y.shape == (m, w.shape[0]) and y.dtype == dtype
-        check(cb.to_numpy(y), ref, tol=1e-5 if dtype == cp.float32 else 1e-2)
+        check(cb.to_numpy(y), ref, tol=FP8_MMA_TOL if dtype == cp.float32 else 1e-2)
 
 
 def test_linear_takes_w8a8_above_the_streamed_rows(cb, rng, monkeypatch):
@@ -103,4 +109,4 @@ def test_linear_takes_w8a8_above_the_streamed_rows(cb, rng, monkeypatch):
         y = cb.linear(dx, w, out_f32=True)
         assert calls == ([(m, 1024)] if m > 64 else [])
         xs = x_fp8_values(x) if m > 64 else x.astype(np.float64)
-        check(cb.to_numpy(y), xs @ dequantize(qw).astype(np.float64).T, tol=1e-5)
+        check(cb.to_numpy(y), xs @ dequantize(qw).astype(np.float64).T, tol=FP8_MMA_TOL if m > 64 else 1e-5)
