@@ -10,6 +10,7 @@ Layouts shared by all backends (T = rows in this forward, n = sequences, D = hea
 from __future__ import annotations
 
 import functools
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -95,6 +96,11 @@ class Backend(Protocol):
     # uploaded from meta.
     def prepare_meta(self, meta: AttentionMeta, on_device: tuple | None = None) -> AttentionMeta: ...
     def synchronize(self) -> None: ...
+
+    # Within it, the first `rows` rows of every product are a step's prefill chunks (they come first in a step): no
+    # decode's logits are compared with theirs, so a backend may compute them faster if less exactly (CUDA: an FP8
+    # weight's product of those rows on the FP8 tensor cores, W8A8). The other rows keep a decode's rounding.
+    def prefill_rows(self, rows: int) -> AbstractContextManager: ...
 
     # ---- ops
     def embedding(self, ids: Any, table: Any) -> Any: ...  # [T] i32, [V, H] -> [T, H]

@@ -8,7 +8,9 @@ Ops allocate their outputs from CuPy's pool; nothing here copies to or from the 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import cupy
@@ -91,6 +93,7 @@ class CudaBackend:
 
     def __init__(self, tuning: CudaTuning | dict | None = None) -> None:
         self.tuning = as_tuning(tuning)  # read by every kernel launch, the stream GEMM, attention and the graph runner
+        self._prefill_rows = 0  # leading rows of the products that may run W8A8 (prefill_rows)
         # Everything runs on one non-blocking stream (CUDA graphs cannot capture the legacy stream), the same for
         # every backend object of the process: a stream per object left CuPy's current stream pointing at a
         # destroyed one once an LLM was garbage-collected.
@@ -392,10 +395,11 @@ class CudaBackend:
         """_gemm for an FP8 or NVFP4 weight. Up to 16 rows (stream_gemm.usable_quantized): the streaming GEMM reads
         the codes, with the epilogues as for bf16; up to tuning.quantized_stream_max_rows rows it does so in launches
         of 16 rows (stream_gemm.streams_quantized: a verify of a few sequences). Else (prefill, large batches, K off
-        the stage's columns): with tuning.fp8_w8a8 an FP8 weight's product runs on the FP8 tensor cores, x quantized
-        per row and 128 columns (w8a8.py); else the weight is dequantized into a bf16 scratch array (the exact values
-        rounded once, fp8_dequant.cu / fp4_dequant.cu) and cuBLAS runs on it: one more pass over the weight (1 or
-        0.56 bytes read, 2 written) per GEMM, small beside a GEMM of many rows, which is compute bound."""
+        the stage's columns): with tuning.fp8_w8a8 the prefill rows (`prefill_rows`) of an FP8 weight's product run
+        on the FP8 tensor cores, x quantized per row and 128 columns (w8a8.py); the other rows, and every row of
+        other products, over the weight dequantized into a bf16 scratch array (the exact values rounded once,
+        fp8_dequant.cu / fp4_dequant.cu) for cuBLAS: one more pass over the weight (1 or 0.56 bytes read, 2
+        written) per GEMM, small beside a GEMM of many rows, which is compute bound (_gemm_codes)."""
         n, k = weight.shape
         bits = stream_gemm.weight_bits(weight)
         if isinstance(x, DeferredNorm):
@@ -412,20 +416,39 @@ class CudaBackend:
         if x.shape[1] != k:
             raise BackendError(f"cuda linear: x is [{m}, {x.shape[1]}] but the {'fp8' if bits == 8 else 'nvfp4'} "
                                f"weight is {list(weight.shape)}")
-        if stream_gemm.streams_quantized(m, n, k, bits, self.tuning):
+        p = min(self._prefill_rows, m) if bits == 8 and self.tuning.fp8_w8a8 else 0
+        if not p or stream_gemm.streams_quantized(m, n, k, bits, self.tuning) or not w8a8.usable(p, n, k):
+            return self._gemm_codes(x, weight, out_dtype, swiglu, streamed_out)
+        y = w8a8.gemm(self._blas_lt, self._gemm_rows(x[:p], True), weight, cupy.float32 if swiglu else out_dtype,
+                      self.tuning)
+        y = self._swiglu_rows(y) if swiglu else y
+        if p == m:
+            return y
+        return cupy.concatenate([y, self._gemm_codes(x[p:], weight, out_dtype, swiglu, streamed_out)])
+
+    def _gemm_codes(self, x: cupy.ndarray, weight: Fp8Weight | Fp4Weight, out_dtype: np.dtype, swiglu: bool,
+                    streamed_out) -> cupy.ndarray:
+        """x [M, K] (bf16 rows) @ the quantized weight's exact values, x as it is (W8A16 / W4A16): streamed (in
+        launches of 16 rows up to quantized_stream_max_rows) or over the weight dequantized for cuBLAS."""
+        m, (n, k) = x.shape[0], weight.shape
+        if stream_gemm.streams_quantized(m, n, k, stream_gemm.weight_bits(weight), self.tuning):
             y, x = streamed_out(m), self._gemm_rows(x, True)
             for rows in stream_gemm.stream_chunks(m):
                 stream_gemm.stream_gemm(x[rows], weight, y[rows], self.num_sms, self.tuning, swiglu)
             return y
-        if bits == 8 and self.tuning.fp8_w8a8 and w8a8.usable(m, n, k):
-            y = w8a8.gemm(self._blas_lt, self._gemm_rows(x, True), weight, cupy.float32 if swiglu else out_dtype,
-                          self.tuning)
-            return self._swiglu_rows(y) if swiglu else y
         y = cupy.empty((m, n), dtype=cupy.float32 if swiglu else out_dtype)
         if m:
             dense = _format_module(weight).dequantize_bf16(weight, self.act, self.tuning)
             self.blas.gemm_bf16(self._gemm_rows(x, False), dense, y)
         return self._swiglu_rows(y) if swiglu else y
+
+    @contextlib.contextmanager
+    def prefill_rows(self, rows: int) -> Iterator[None]:
+        outer, self._prefill_rows = self._prefill_rows, rows
+        try:
+            yield
+        finally:
+            self._prefill_rows = outer
 
     @functools.cached_property
     def _blas_lt(self) -> CublasLt:

@@ -266,12 +266,13 @@ class ModelRunner:
         the row is the pending token), so the forward advances the GDN states itself and keeps no tape; otherwise
         the decode rows leave the states as they were and commit_states advances them after acceptance."""
         taps = self.tap_layers if with_taps and self.tap_layers else None
-        if not self.hybrid:
-            return self.target.forward(batch, self.target_kv, taps)
-        assert batch.state_slots is not None, "a hybrid target's batch names each sequence's state slot"
-        use = state_use(self.backend, batch.state_slots, batch.meta.cu_seqlens_q, batch.chunked_seqs, commit,
-                        batch.state_slots_device)
-        hidden, taps_out, self.tape = self.target.forward(batch, self.cache, use, taps)
+        with self.backend.prefill_rows(int(batch.meta.cu_seqlens_q[batch.chunked_seqs])):  # the chunks' rows
+            if not self.hybrid:
+                return self.target.forward(batch, self.target_kv, taps)
+            assert batch.state_slots is not None, "a hybrid target's batch names each sequence's state slot"
+            use = state_use(self.backend, batch.state_slots, batch.meta.cu_seqlens_q, batch.chunked_seqs, commit,
+                            batch.state_slots_device)
+            hidden, taps_out, self.tape = self.target.forward(batch, self.cache, use, taps)
         self.tape_slots = use.slots
         return hidden, taps_out
 

@@ -93,20 +93,50 @@ def test_w8a8_gemm_matches_float64_over_the_same_fp8_values(cb, lt, rng, m, layo
         check(cb.to_numpy(y), ref, tol=FP8_MMA_TOL if dtype == cp.float32 else 1e-2)
 
 
-def test_linear_takes_w8a8_above_the_streamed_rows(cb, rng, monkeypatch):
-    """With tuning.fp8_w8a8, more rows than quantized_stream_max_rows run W8A8 (the product of x's FP8 values); at or
-    below it the codes stream (no W8A8 call: the exact product)."""
+@pytest.mark.parametrize("m,p", [(64, 64), (65, 65), (400, 400), (400, 0), (100, 60), (300, 200)])
+def test_linear_takes_w8a8_for_the_prefill_rows_beyond_the_streamed_rows(cb, rng, monkeypatch, m, p):
+    """With tuning.fp8_w8a8, a product of more rows than quantized_stream_max_rows runs its prefill rows (the first p,
+    `prefill_rows`) W8A8, the product of x's FP8 values, and its other rows exactly, with the bits those rows have
+    alone; at or below the streamed rows, and outside prefill_rows, no row runs W8A8."""
     skip_without_tma()
     calls = []
     real = w8a8.gemm
     monkeypatch.setattr(w8a8, "gemm", lambda *a: calls.append(a[1].shape) or real(*a))
     qw = quantized(rng, 512, 1024)
-    w = cb.load_quantized(qw)
-    for m in (64, 65, 400):
-        dx = cb.asarray(rnd(rng, m, 1024), "act")
-        x = cb.to_numpy(dx)
-        calls.clear()
-        y = cb.linear(dx, w, out_f32=True)
-        assert calls == ([(m, 1024)] if m > 64 else [])
-        xs = x_fp8_values(x) if m > 64 else x.astype(np.float64)
-        check(cb.to_numpy(y), xs @ dequantize(qw).astype(np.float64).T, tol=FP8_MMA_TOL if m > 64 else 1e-5)
+    w, wd = cb.load_quantized(qw), dequantize(qw).astype(np.float64)
+    dx = cb.asarray(rnd(rng, m, 1024), "act")
+    x = cb.to_numpy(dx).astype(np.float64)
+    with cb.prefill_rows(p):
+        y = cb.to_numpy(cb.linear(dx, w, out_f32=True))
+    w8 = m > 64 and p > 0
+    assert calls == ([(p, 1024)] if w8 else [])
+    if not w8:
+        check(y, x @ wd.T, tol=1e-5)
+        return
+    check(y[:p], x_fp8_values(x[:p]) @ wd.T, tol=FP8_MMA_TOL)
+    if p < m:
+        assert np.array_equal(y[p:], cb.to_numpy(cb.linear(dx[p:], w, out_f32=True)))
+        check(y[p:], x[p:] @ wd.T, tol=1e-5)
+
+
+def test_the_engine_runs_prefill_rows_w8a8_and_no_other_row(tiny_pair, monkeypatch):
+    """In the engine the prefill chunks' rows of the target's FP8 products run W8A8 (every prompt token once per
+    quantized linear), a verify's rows never (theirs must round as a decode's: spec == AR), and the output is
+    still the autoregressive one."""
+    import json
+
+    from cudflash import LLM, SamplingParams
+
+    skip_without_tma()
+    rows = []
+    real = w8a8.gemm
+    monkeypatch.setattr(w8a8, "gemm", lambda *a: rows.append(a[1].shape[0]) or real(*a))
+    prompts = json.loads((tiny_pair / "prompts_dev.json").read_text())["prompts"][:8]
+    layers = json.loads((tiny_pair / "target" / "config.json").read_text())["num_hidden_layers"]
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    tuning = {"fp8_on_device": True, "fp8_w8a8": True}
+    spec = LLM(tiny_pair / "target", draft=tiny_pair / "drafter", backend="cuda", quantize="fp8",
+               tuning=tuning).generate(prompts, params)
+    assert sum(rows) == 4 * layers * sum(len(p) for p in prompts)  # qkv, o_proj, gate_up, down over each token
+    ar = LLM(tiny_pair / "target", backend="cuda", quantize="fp8", tuning=tuning).generate(prompts, params)
+    assert sum(s.token_ids == a.token_ids for s, a in zip(spec, ar)) >= 7
