@@ -97,10 +97,11 @@ class Backend(Protocol):
     def prepare_meta(self, meta: AttentionMeta, on_device: tuple | None = None) -> AttentionMeta: ...
     def synchronize(self) -> None: ...
 
-    # Within it, the first `rows` rows of every product are a step's prefill chunks (they come first in a step): no
-    # decode's logits are compared with theirs, so a backend may compute them faster if less exactly (CUDA: an FP8
-    # weight's product of those rows on the FP8 tensor cores, W8A8). The other rows keep a decode's rounding.
-    def prefill_rows(self, rows: int) -> AbstractContextManager: ...
+    # Within it, the first `rows` rows of every product need not round as a decode of their token would: a step's
+    # prefill chunks (they come first; no decode's logits are compared with theirs) or a drafter's rows (a draft
+    # only changes how much is accepted). A backend may compute those faster if less exactly (CUDA: a quantized
+    # weight's many-row product, W8A8 or over the dequantized weight); every other row rounds as a decode does.
+    def inexact_rows(self, rows: int) -> AbstractContextManager: ...
 
     # ---- ops
     def embedding(self, ids: Any, table: Any) -> Any: ...  # [T] i32, [V, H] -> [T, H]

@@ -36,7 +36,7 @@ class NumpyBackend:
     def load(self, dtype: str, raw: np.ndarray) -> np.ndarray:
         return bf16_bits_to_float32(raw) if dtype == "BF16" else np.array(raw, dtype=np.float32)
 
-    def prefill_rows(self, rows: int) -> AbstractContextManager:
+    def inexact_rows(self, rows: int) -> AbstractContextManager:
         return nullcontext()  # every product here is the exact one
 
     def load_quantized(self, w: QuantizedWeight) -> np.ndarray:

@@ -1,15 +1,18 @@
 """W8A8: the many-row GEMMs over an FP8 weight on the FP8 tensor cores, the activations quantized per row and 128
 columns (issue 23 item 3: faster than dequantizing the weight for cuBLAS's bf16 GEMM from ~128 rows on at Qwen3-8B
-shapes, BENCHMARKS.md session 19).
+shapes, BENCHMARKS.md sessions 19 and 20).
 
     y = (x as E4M3 codes * their scales) @ (w's codes * its scales).T, float32 accumulation, bf16 or float32 out
 
 The activations: fp8_act_quant.cu, whose definition is quant.weight.quantize_fp8_block(x, (1, 128)); so a W8A8
-product differs from the exact one by x's FP8 rounding (a relative 2^-4 per element at most), which is why only the
-many-row path takes it (a decode or verify of up to quantized_stream_max_rows rows keeps W8A16 and its bits).
+product differs from the exact one by x's FP8 rounding (a relative 2^-4 per element at most), which is why only rows
+that no decode is compared with take it (Backend.inexact_rows: prefill chunks, a drafter's rows), and only beyond
+quantized_stream_max_rows; a decode's and a verify's rows keep W8A16 and its bits.
 The weight's scales, in one of two forms cuBLASLt takes for its operand A:
-  - on the 128 x 128 grid (Fp8Weight.block_grid: the Qwen -FP8 layout, random_fp8): Fp8Weight.scale as it is,
-    [ceil(N / 128), K / 128] row-major, mode BLK128x128_32F (the 1D x 2D form the probe measured);
+  - on the 128 x 128 grid (Fp8Weight.block_grid: the Qwen -FP8 layout, random_fp8) with K / 128 a multiple of 4:
+    Fp8Weight.scale as it is, [ceil(N / 128), K / 128] row-major, mode BLK128x128_32F (the 1D x 2D form the probe
+    measured). At K = 384 (3 scale columns) cuBLASLt read these scales wrongly on the H200 (errors of 45% and more:
+    its rows of scales are presumably 16-byte aligned), so such a weight takes the gathered form;
   - any other row map (the interleaved gate_up, a fused qkv off the grid, per-channel scales, a row slice): one
     scale per row and 128 columns, scale[rows[n], b] at [b, n] of a [K / 128, N] array gathered on the device at each
     GEMM (1/32 of the codes' bytes: ~3 MB at a Qwen3-8B gate_up), mode VEC128_32F (1D x 1D). Nothing is decided from
@@ -56,9 +59,11 @@ def quantize_rows(x: cupy.ndarray, rows: int, tuning: CudaTuning) -> tuple[cupy.
 def weight_scales(w: Fp8Weight, block: bool | None = None) -> tuple[cupy.ndarray, int]:
     """(w's scales for the GEMM, their cuBLASLt mode): the block grid as it is where w is on it (or `block`), else
     the gathered row scales."""
-    if (w.block_grid if block is None else block):
-        if not w.block_grid:
-            raise ValueError("block scales asked of a weight that is not on the 128 x 128 grid")
+    aligned = w.shape[1] // SCALE_COLS % 4 == 0  # rows of block scales 16 bytes apart: all cuBLASLt reads right
+    if (w.block_grid and aligned) if block is None else block:
+        if not (w.block_grid and aligned):
+            raise ValueError(f"block scales asked of a weight {list(w.shape)} not on the 128 x 128 grid or with K / 128 "
+                             "not a multiple of 4")
         return w.scale, SCALE_BLK128X128_32F
     return row_scales(w.scale, w.rows, xp=cupy), SCALE_VEC128_32F
 
