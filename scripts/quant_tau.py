@@ -1,6 +1,7 @@
 """Tau of the trained tiny pair with its target quantized, against bf16, on the CPU (float32 numpy backend).
 
-Usage: python3 scripts/quant_tau.py [PAIR_DIR] [--new N] [--backend cpu|cuda]
+Usage: python3 scripts/quant_tau.py [PAIR_DIR] [--new N] [--backend cpu|cuda] [--tune NAME=VALUE ...]
+    [--only TEXT]
 PAIR_DIR defaults to ../shared/models/tiny-code-pair. Variants: the bf16 pair; the target quantized to FP8 at load
 (drafter bf16, then drafter FP8 too, then the LM head FP8 too: quantize_lm_head); the target written as a Qwen -FP8
 release and as a ModelOpt NVFP4 release (tests/quant_checkpoints.py, from its bf16 weights) and loaded as such (NVFP4
@@ -22,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from cudflash import LLM, SamplingParams  # noqa: E402
 from cudflash.checkpoint import Checkpoint  # noqa: E402
+from cudflash.backends.tuning import parse_tuning  # noqa: E402
 from tests.quant_checkpoints import copy_side_files, write_quantized  # noqa: E402
 
 
@@ -48,7 +50,10 @@ def main() -> None:
     p.add_argument("pair", nargs="?", type=Path, default=ROOT / ".." / "shared" / "models" / "tiny-code-pair")
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--backend", default="cpu")
+    p.add_argument("--tune", action="append", default=[], metavar="NAME=VALUE", help="the cuda backend's tuning")
+    p.add_argument("--only", default="", help="only the variants whose name contains TEXT (and bf16, the base)")
     args = p.parse_args()
+    tuning = {"tuning": parse_tuning(args.tune)} if args.tune else {}
     pair = args.pair.resolve()
     prompts = json.loads((pair / "prompts_dev.json").read_text())["prompts"]
     drafter = pair / "drafter"
@@ -61,12 +66,13 @@ def main() -> None:
                     ("ModelOpt NVFP4 on disk", released(pair, "modelopt_nvfp4", Path(tmp)), {}),
                     ("nvfp4 at load (drafter bf16)", pair / "target", {"quantize": "nvfp4"}),
                     ("nvfp4 at load (drafter nvfp4)", pair / "target", {"quantize": "nvfp4", "quantize_draft": True})]
+        variants = [v for v in variants if v[0] == "bf16" or args.only.lower() in v[0].lower()]
         base_ar = None
         print(f"{len(prompts)} prompts, {args.new} new tokens, backend {args.backend}")
         print(f"{'variant':<30} {'tau':>6} {'vs bf16':>8} {'spec == AR':>11} {'AR == bf16 AR':>14}")
         base_tau = None
         for name, target, kw in variants:
-            tau, ar, spec = run(target, drafter, prompts, args.new, args.backend, **kw)
+            tau, ar, spec = run(target, drafter, prompts, args.new, args.backend, **kw, **tuning)
             base_ar = base_ar or ar
             base_tau = base_tau or tau
             same = sum(a == s for a, s in zip(ar, spec))

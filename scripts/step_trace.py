@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-MODULES = ("argmax", "attention", "draft_heads", "elementwise", "fp4_dequant", "fp8_dequant", "gdn", "gdn_chunk",
-           "memory", "norm", "rope", "stream_gemm")
+MODULES = ("argmax", "attention", "draft_heads", "elementwise", "fp4_dequant", "fp8_act_quant", "fp8_dequant", "gdn",
+           "gdn_chunk", "memory", "norm", "rope", "stream_gemm")
 CAP = 1 << 18  # CF_TRACE_CAP: events per module buffer
 OPTIONS = ("-DCF_TRACE", "-DCF_TRACE_MODULE=0")  # the tuning's nvrtc_options that compile the recording in
 _MODULE_BITS = np.uint64(63 << 56)

@@ -10,6 +10,7 @@ Layouts shared by all backends (T = rows in this forward, n = sequences, D = hea
 from __future__ import annotations
 
 import functools
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -95,6 +96,12 @@ class Backend(Protocol):
     # uploaded from meta.
     def prepare_meta(self, meta: AttentionMeta, on_device: tuple | None = None) -> AttentionMeta: ...
     def synchronize(self) -> None: ...
+
+    # Within it, the first `rows` rows of every product need not round as a decode of their token would: a step's
+    # prefill chunks (they come first; no decode's logits are compared with theirs) or a drafter's rows (a draft
+    # only changes how much is accepted). A backend may compute those faster if less exactly (CUDA: a quantized
+    # weight's many-row product, W8A8 or over the dequantized weight); every other row rounds as a decode does.
+    def inexact_rows(self, rows: int) -> AbstractContextManager: ...
 
     # ---- ops
     def embedding(self, ids: Any, table: Any) -> Any: ...  # [T] i32, [V, H] -> [T, H]

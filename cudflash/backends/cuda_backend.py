@@ -8,15 +8,18 @@ Ops allocate their outputs from CuPy's pool; nothing here copies to or from the 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import cupy
 import numpy as np
 
-from cudflash.backends import cuda_gdn, cuda_gdn_chunk, fp4_weight, fp8_weight, kernel_loader, stream_gemm
+from cudflash.backends import cuda_gdn, cuda_gdn_chunk, fp4_weight, fp8_weight, kernel_loader, stream_gemm, w8a8
 from cudflash.backends.base import AttentionMeta, DeferredNorm
 from cudflash.backends.cublas import Cublas
+from cudflash.backends.cublaslt import CublasLt
 from cudflash.backends.cuda_attention import attention as _attention
 from cudflash.backends.cuda_attention import DeviceMeta, upload_meta
 from cudflash.backends.fp4_weight import Fp4Weight
@@ -90,6 +93,7 @@ class CudaBackend:
 
     def __init__(self, tuning: CudaTuning | dict | None = None) -> None:
         self.tuning = as_tuning(tuning)  # read by every kernel launch, the stream GEMM, attention and the graph runner
+        self._inexact_rows = 0  # leading rows of the products that need no decode's rounding (inexact_rows)
         # Everything runs on one non-blocking stream (CUDA graphs cannot capture the legacy stream), the same for
         # every backend object of the process: a stream per object left CuPy's current stream pointing at a
         # destroyed one once an LLM was garbage-collected.
@@ -390,10 +394,11 @@ class CudaBackend:
                         swiglu: bool, streamed_out) -> cupy.ndarray:
         """_gemm for an FP8 or NVFP4 weight. Up to 16 rows (stream_gemm.usable_quantized): the streaming GEMM reads
         the codes, with the epilogues as for bf16; up to tuning.quantized_stream_max_rows rows it does so in launches
-        of 16 rows (stream_gemm.streams_quantized: a verify of a few sequences). Else (prefill, large batches, K off
-        the stage's columns): the weight is dequantized into a bf16 scratch array (the exact values rounded once,
-        fp8_dequant.cu / fp4_dequant.cu) and cuBLAS runs on it: one more pass over the weight (1 or 0.56 bytes read,
-        2 written) per GEMM, small beside a GEMM of many rows, which is compute bound."""
+        of 16 rows (stream_gemm.streams_quantized: a verify of a few sequences). Beyond: the rows `inexact_rows`
+        names (prefill chunks, a drafter's) the faster way (_gemm_inexact); every other row (a large verify's) still
+        streams in launches of 16 rows, whatever their number, so that it keeps the bits of its decode: a verify's
+        rows over the weight rounded to bf16, as the dequantized path has it, made the tiny pair's speculative output
+        differ from its autoregressive one on every prompt. K off the stage's columns: dequantized (a decode too)."""
         n, k = weight.shape
         bits = stream_gemm.weight_bits(weight)
         if isinstance(x, DeferredNorm):
@@ -410,16 +415,54 @@ class CudaBackend:
         if x.shape[1] != k:
             raise BackendError(f"cuda linear: x is [{m}, {x.shape[1]}] but the {'fp8' if bits == 8 else 'nvfp4'} "
                                f"weight is {list(weight.shape)}")
-        if stream_gemm.streams_quantized(m, n, k, bits, self.tuning):
-            y, x = streamed_out(m), self._gemm_rows(x, True)
-            for rows in stream_gemm.stream_chunks(m):
-                stream_gemm.stream_gemm(x[rows], weight, y[rows], self.num_sms, self.tuning, swiglu)
-            return y
-        y = cupy.empty((m, n), dtype=cupy.float32 if swiglu else out_dtype)
-        if m:
-            dense = _format_module(weight).dequantize_bf16(weight, self.act, self.tuning)
-            self.blas.gemm_bf16(self._gemm_rows(x, False), dense, y)
+        if not m or stream_gemm.streams_quantized(m, n, k, bits, self.tuning):
+            return self._gemm_streamed(x, weight, out_dtype, swiglu, streamed_out)
+        p = min(self._inexact_rows, m)
+        exact = self._gemm_streamed if stream_gemm.usable_quantized(1, n, k, bits) else self._gemm_dequantized
+        parts = ([self._gemm_inexact(x[:p], weight, out_dtype, swiglu, streamed_out)] if p else []) + (
+            [exact(x[p:], weight, out_dtype, swiglu, streamed_out)] if p < m else [])
+        return parts[0] if len(parts) == 1 else cupy.concatenate(parts)
+
+    def _gemm_streamed(self, x: cupy.ndarray, weight: Fp8Weight | Fp4Weight, out_dtype: np.dtype, swiglu: bool,
+                       streamed_out) -> cupy.ndarray:
+        """The codes streamed in launches of 16 rows (stream_gemm.stream_chunks): each row has the bits it has alone."""
+        y, x = streamed_out(x.shape[0]), self._gemm_rows(x, True)
+        for rows in stream_gemm.stream_chunks(x.shape[0]):
+            stream_gemm.stream_gemm(x[rows], weight, y[rows], self.num_sms, self.tuning, swiglu)
+        return y
+
+    def _gemm_dequantized(self, x: cupy.ndarray, weight: Fp8Weight | Fp4Weight, out_dtype: np.dtype, swiglu: bool,
+                          streamed_out) -> cupy.ndarray:
+        """Over the weight dequantized into a bf16 scratch array (the exact values rounded once, fp8_dequant.cu /
+        fp4_dequant.cu) for cuBLAS: one more pass over the weight (1 or 0.56 bytes read, 2 written)."""
+        y = cupy.empty((x.shape[0], weight.shape[0]), dtype=cupy.float32 if swiglu else out_dtype)
+        dense = _format_module(weight).dequantize_bf16(weight, self.act, self.tuning)
+        self.blas.gemm_bf16(self._gemm_rows(x, False), dense, y)
         return self._swiglu_rows(y) if swiglu else y
+
+    def _gemm_inexact(self, x: cupy.ndarray, weight: Fp8Weight | Fp4Weight, out_dtype: np.dtype, swiglu: bool,
+                      streamed_out) -> cupy.ndarray:
+        """Many rows that need no decode's rounding: with tuning.fp8_w8a8 an FP8 product on the FP8 tensor cores, x
+        quantized per row and 128 columns (w8a8.py), else over the dequantized weight."""
+        m, (n, k) = x.shape[0], weight.shape
+        if not (isinstance(weight, Fp8Weight) and self.tuning.fp8_w8a8 and w8a8.usable(m, n, k)):
+            return self._gemm_dequantized(x, weight, out_dtype, swiglu, streamed_out)
+        y = w8a8.gemm(self._blas_lt, self._gemm_rows(x, True), weight, cupy.float32 if swiglu else out_dtype,
+                      self.tuning)
+        return self._swiglu_rows(y) if swiglu else y
+
+    @contextlib.contextmanager
+    def inexact_rows(self, rows: int) -> Iterator[None]:
+        outer, self._inexact_rows = self._inexact_rows, rows
+        try:
+            yield
+        finally:
+            self._inexact_rows = outer
+
+    @functools.cached_property
+    def _blas_lt(self) -> CublasLt:
+        """The cuBLASLt handle of the W8A8 GEMMs (tuning.fp8_w8a8), made at its first use."""
+        return CublasLt()
 
     def _add_bias(self, y: cupy.ndarray, bias: cupy.ndarray | None) -> cupy.ndarray:
         m, n = y.shape

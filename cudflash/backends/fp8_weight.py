@@ -32,6 +32,9 @@ class Fp8Weight:
     data: cupy.ndarray  # [N, K] uint8 E4M3 codes, contiguous
     scale: cupy.ndarray  # [S, ceil(K / 128)] float32, contiguous
     rows: cupy.ndarray  # [N] int32: the scale row of each weight row
+    # rows[n] = n // 128 with the scales' first rows one per 128-row block: the scales are the 128 x 128 grid as
+    # cuBLASLt's BLK128x128 mode reads them (w8a8.py); set where a weight is made so (known on the host).
+    block_grid: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -52,7 +55,7 @@ class Fp8Weight:
         drafter's fused K/V weight). The row map keeps pointing into the whole scale array."""
         if not isinstance(rows, slice) or rows.step not in (None, 1):
             raise TypeError(f"an Fp8Weight takes a slice of rows, got {rows!r}")
-        return Fp8Weight(self.data[rows], self.scale, self.rows[rows])
+        return Fp8Weight(self.data[rows], self.scale, self.rows[rows], self.block_grid and rows.start in (None, 0))
 
 
 def fits(w: QuantizedWeight) -> bool:
@@ -70,9 +73,10 @@ def upload(w: QuantizedWeight) -> Fp8Weight:
         raise BackendError(f"{w.source}: fp8 scale blocks {w.block} do not cover whole 128-column blocks")
     scale = np.asarray(w.scale, dtype=np.float32)
     col_of_block = np.minimum(np.arange(cdiv(k, SCALE_COLS)) * SCALE_COLS // w.block[1], scale.shape[1] - 1)
+    rows = w.row_scales().astype(np.int32)
+    grid = scale.shape[0] == cdiv(n, 128) and np.array_equal(rows, np.arange(n) // 128)
     return Fp8Weight(cupy.asarray(np.ascontiguousarray(w.data, dtype=np.uint8)),
-                     cupy.asarray(np.ascontiguousarray(scale[:, col_of_block])),
-                     cupy.asarray(w.row_scales().astype(np.int32)))
+                     cupy.asarray(np.ascontiguousarray(scale[:, col_of_block])), cupy.asarray(rows), bool(grid))
 
 
 def take_rows(w: Fp8Weight, rows: cupy.ndarray) -> Fp8Weight:
@@ -89,8 +93,10 @@ def concat(parts: list[Fp8Weight]) -> Fp8Weight:
     offsets = [0]
     for p in parts[:-1]:
         offsets.append(offsets[-1] + p.scale.shape[0])
+    grid = all(p.block_grid and p.scale.shape[0] == cdiv(p.shape[0], 128) for p in parts) and all(
+        p.shape[0] % 128 == 0 for p in parts[:-1])  # every part on the grid, the seams on block boundaries
     return Fp8Weight(cupy.concatenate([p.data for p in parts]), cupy.concatenate([p.scale for p in parts]),
-                     cupy.concatenate([p.rows + off for p, off in zip(parts, offsets)]).astype(cupy.int32))
+                     cupy.concatenate([p.rows + off for p, off in zip(parts, offsets)]).astype(cupy.int32), grid)
 
 
 def interleave_gate_up(gate: Fp8Weight, up: Fp8Weight) -> Fp8Weight:
@@ -127,4 +133,4 @@ def random_fp8(shape: tuple[int, int], std: float, seed: int) -> Fp8Weight:
         x = gen.standard_normal((min(step, n - lo), k), dtype=cupy.float32) * cupy.float32(448.0 / 5.0)
         data[lo:lo + x.shape[0]] = encode_e4m3(x, xp=cupy)
     scale = cupy.full((cdiv(n, 128), cdiv(k, SCALE_COLS)), 5.0 * std / 448.0, dtype=cupy.float32)
-    return Fp8Weight(data, scale, cupy.arange(n, dtype=cupy.int32) // 128)
+    return Fp8Weight(data, scale, cupy.arange(n, dtype=cupy.int32) // 128, True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import AbstractContextManager, nullcontext
 
 import numpy as np
 
@@ -34,6 +35,9 @@ class NumpyBackend:
 
     def load(self, dtype: str, raw: np.ndarray) -> np.ndarray:
         return bf16_bits_to_float32(raw) if dtype == "BF16" else np.array(raw, dtype=np.float32)
+
+    def inexact_rows(self, rows: int) -> AbstractContextManager:
+        return nullcontext()  # every product here is the exact one
 
     def load_quantized(self, w: QuantizedWeight) -> np.ndarray:
         """The exact float32 values of the quantized weight (quant.weight.dequantize): the reference every other

@@ -38,19 +38,27 @@ class CudaTuning:
     invariant_max_context: int = 512
     # FP8 checkpoints (and quantize="fp8") keep their E4M3 codes on the device, at half the weight memory, and the
     # linear ops read them (fp8_weight.py). Off: dequantized to bf16 at load. Off by default while the FP8 path is
-    # slower where it counts: its many-row path makes a verify at batch 8 2.7x slower than bf16 (BENCHMARKS.md).
+    # slower where it counts: a verify of more than quantized_stream_max_rows rows streams the codes once per 16 rows
+    # to keep its decodes' bits (batch 8: 24.4 ms against bf16's 6.2, BENCHMARKS.md session 20).
     fp8_on_device: bool = False
     # NVFP4 checkpoints keep their 4-bit codes on the device (fp4_weight.py, 0.56 bytes per weight) and the linear
-    # ops read them. Off: dequantized to bf16 at load. Off by default for the reason FP8 is: the many-row GEMMs
-    # dequantize the weight each time.
+    # ops read them. Off: dequantized to bf16 at load. Off by default for the reason FP8 is: a large verify streams
+    # the codes once per 16 rows.
     nvfp4_on_device: bool = False
     # Compute warps of the streaming GEMM over an FP8 weight: 4 (one per scheduler) or 8 (two). Part of the plan: the
     # summation order depends on it, never on the rows (kernels/stream_gemm.cu).
     stream_gemm_w8_warps: int = 8
     # FP8 / NVFP4 products of more than 16 rows and up to this many stream the codes in launches of 16 rows, each
-    # reading the whole weight (the rows keep the bits they have alone); more rows dequantize the weight to bf16 and
-    # run cuBLAS, one more pass over the weight that a few launches beat (BENCHMARKS.md). 16: no launch beyond one.
+    # reading the whole weight (the rows keep the bits they have alone). Of a product of more rows, the rows that need
+    # no decode's rounding (Backend.inexact_rows: prefill chunks, a drafter's rows) take the faster many-row path
+    # (fp8_w8a8, or the weight dequantized to bf16 for cuBLAS); the others still stream in launches of 16 rows, so a
+    # large verify's rows round as their decodes do. 16: no launch beyond one.
     quantized_stream_max_rows: int = 64
+    # The many-row path of an FP8 product's inexact rows: W8A8 on the FP8 tensor cores (backends/w8a8.py: x quantized
+    # per row and 128 columns, cuBLASLt's block-scaled FP8 GEMM), instead of the dequantized weight and cuBLAS's bf16
+    # GEMM: 1.45x the prefill of 2048 tokens (BENCHMARKS.md, session 20). It rounds x to FP8, which only rows
+    # compared with no decode may do.
+    fp8_w8a8: bool = True
     # A folder to compile the CUDA sources from instead of the package's: an A/B of kernel code in one checkout.
     kernel_dir: str | None = None
     # Extra NVRTC options for every module, e.g. -lineinfo, or the step timeline's -DCF_TRACE

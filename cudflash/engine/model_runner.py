@@ -266,12 +266,13 @@ class ModelRunner:
         the row is the pending token), so the forward advances the GDN states itself and keeps no tape; otherwise
         the decode rows leave the states as they were and commit_states advances them after acceptance."""
         taps = self.tap_layers if with_taps and self.tap_layers else None
-        if not self.hybrid:
-            return self.target.forward(batch, self.target_kv, taps)
-        assert batch.state_slots is not None, "a hybrid target's batch names each sequence's state slot"
-        use = state_use(self.backend, batch.state_slots, batch.meta.cu_seqlens_q, batch.chunked_seqs, commit,
-                        batch.state_slots_device)
-        hidden, taps_out, self.tape = self.target.forward(batch, self.cache, use, taps)
+        with self.backend.inexact_rows(int(batch.meta.cu_seqlens_q[batch.chunked_seqs])):  # the prefill chunks' rows
+            if not self.hybrid:
+                return self.target.forward(batch, self.target_kv, taps)
+            assert batch.state_slots is not None, "a hybrid target's batch names each sequence's state slot"
+            use = state_use(self.backend, batch.state_slots, batch.meta.cu_seqlens_q, batch.chunked_seqs, commit,
+                            batch.state_slots_device)
+            hidden, taps_out, self.tape = self.target.forward(batch, self.cache, use, taps)
         self.tape_slots = use.slots
         return hidden, taps_out
 
@@ -334,10 +335,12 @@ class ModelRunner:
 
     def draft_context(self, taps: Any, batch: ForwardBatch) -> None:
         """Feed the taps of every row of the batch to the drafter's context cache, at the rows' positions."""
-        self.draft.update_context(taps, batch.positions, batch.slots, self.draft_kv)
+        with self.backend.inexact_rows(int(batch.meta.cu_seqlens_q[-1])):
+            self.draft.update_context(taps, batch.positions, batch.slots, self.draft_kv)
 
     def draft_forward(self, batch: ForwardBatch) -> Any:
-        return self.draft.forward(batch, self.draft_kv, self.target)
+        with self.backend.inexact_rows(int(batch.meta.cu_seqlens_q[-1])):  # drafts need no decode's rounding
+            return self.draft.forward(batch, self.draft_kv, self.target)
 
     def logits(self, hidden: Any, rows: np.ndarray | None = None) -> Any:
         b = self.backend

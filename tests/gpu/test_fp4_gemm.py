@@ -96,7 +96,7 @@ def test_dequantize_bf16_is_numpy_rounded_once(cb, rng, n, k):
 
 @pytest.mark.parametrize("m", [1, 16, 17, 40, 64, 65, 300])
 def test_linear_routes_by_rows_and_k(cb, rng, m, monkeypatch):
-    """K % 512 == 0 streams up to 64 rows (test_quant_gemm.check_routes); K = 256 does not."""
+    """K % 512 == 0 streams every exact row (test_quant_gemm.check_routes); K = 256 does not."""
     check_routes(cb, rng, m, monkeypatch, quantized, ref_gemm, off_k=256)
 
 

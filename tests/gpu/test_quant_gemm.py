@@ -37,7 +37,8 @@ def cb(request):
     streaming GEMM (tuning.stream_gemm_w8_warps: another summation order, the same function)."""
     from cudflash.backends.cuda_backend import CudaBackend
 
-    return CudaBackend(tuning={"fp8_on_device": True, "stream_gemm_w8_warps": request.param})
+    return CudaBackend(tuning={"fp8_on_device": True, "stream_gemm_w8_warps": request.param,
+                               "fp8_w8a8": False})  # the many-row inexact path is then the dequantized one (W8A8: test_w8a8.py)
 
 
 def quantized(rng, n: int, k: int, scale: float = 1.0) -> QuantizedWeight:
@@ -136,34 +137,36 @@ def test_dequantize_bf16_is_numpy_rounded_once(cb, rng, n, k):
 
 
 def check_routes(cb, rng, m: int, monkeypatch, quantized, ref_gemm, off_k: int) -> None:
-    """CudaBackend.linear of x [m, K] over a quantized weight [520, K] (`quantized(rng, n, k, scale)`): with K = 1024,
-    up to 16 rows stream the codes in one launch and up to quantized_stream_max_rows (64) in launches of 16 rows
-    each; more rows, or K = off_k (off the stage's columns), go through the dequantized bf16 weight and cuBLAS. All
-    compute the product (`ref_gemm`), and a streamed row has the bits of that row streamed alone."""
+    """CudaBackend.linear of x [m, K] over a quantized weight [520, K] (`quantized(rng, n, k, scale)`): with K = 1024
+    every row streams the codes, in launches of 16 rows beyond 16 (a verify's rows keep their decodes' bits whatever
+    their number), except inexact rows (Backend.inexact_rows) of a product beyond quantized_stream_max_rows (64),
+    which go through the dequantized bf16 weight and cuBLAS, as every row at K = off_k (off the stage's columns)
+    does. All compute the product (`ref_gemm`), and a streamed row has the bits of that row streamed alone."""
     skip_without_tma()
-    assert cb.tuning.quantized_stream_max_rows == 64
+    assert cb.tuning.quantized_stream_max_rows == 64 and not cb.tuning.fp8_w8a8
     calls = []
     real = sg.stream_gemm
     monkeypatch.setattr(sg, "stream_gemm", lambda *a: calls.append((a[0].shape[0], a[1].shape)) or real(*a))
-    streamed = m <= 64
     for k in (1024, off_k):
         qw = quantized(rng, 520, k, scale=k ** -0.5)
         x = rnd(rng, m, k)
         w = cb.load_quantized(qw)
-        calls.clear()
-        y = cb.linear(cb.asarray(x, "act"), w, out_f32=True)
-        launches = [(min(16, m - i), (520, 1024)) for i in range(0, m, 16)] if streamed and k == 1024 else []
-        assert calls == launches
-        check(cb.to_numpy(y), ref_gemm(x, qw), tol=1e-5 if streamed and k == 1024 else 1e-2)
-        if streamed and k == 1024:
-            for i in sorted({0, 15, 16, m - 1} & set(range(m))):
-                alone = cb.linear(cb.asarray(x[i:i + 1], "act"), w, out_f32=True)
-                assert cp.array_equal(alone.view(cp.uint32), y[i:i + 1].view(cp.uint32)), i
+        for inexact in (0, m):
+            calls.clear()
+            with cb.inexact_rows(inexact):
+                y = cb.linear(cb.asarray(x, "act"), w, out_f32=True)
+            streamed = k == 1024 and (m <= 64 or not inexact)
+            assert calls == ([(min(16, m - i), (520, 1024)) for i in range(0, m, 16)] if streamed else [])
+            check(cb.to_numpy(y), ref_gemm(x, qw), tol=1e-5 if streamed else 1e-2)
+            if streamed:
+                for i in sorted({0, 15, 16, m - 1} & set(range(m))):
+                    alone = cb.linear(cb.asarray(x[i:i + 1], "act"), w, out_f32=True)
+                    assert cp.array_equal(alone.view(cp.uint32), y[i:i + 1].view(cp.uint32)), i
 
 
 @pytest.mark.parametrize("m", [1, 16, 17, 40, 64, 65, 300])
 def test_linear_routes_by_rows_and_k(cb, rng, m, monkeypatch):
-    """K % 256 == 0 streams up to 64 rows (check_routes); K = 384 does not."""
+    """K % 256 == 0 streams every exact row (check_routes); K = 384 does not."""
     check_routes(cb, rng, m, monkeypatch, quantized, ref_gemm, off_k=384)
 
 
