@@ -714,3 +714,41 @@ def test_a_hybrid_keeps_fp8_on_the_device_where_bf16_would_not_fit(tmp_path):
     ModelRunner(cfg, None, tight, max_block_size=1, max_num_seqs=1, max_model_len=64, quantize="fp8",
                 num_kv_blocks=8)
     assert tight.tuning.fp8_on_device is True
+
+
+def test_only_prefill_and_drafter_rows_are_named_inexact(tiny_pair, monkeypatch):
+    """ModelRunner names the rows a backend may round unlike a decode (Backend.inexact_rows; the CUDA backend runs
+    their FP8 products W8A8): a target forward's prefill-chunk rows, which lead its rows, and every row of a drafter
+    forward; never a verify's or a decode's row. Prefill is chunked here (64 tokens a step) so that steps mix chunks
+    with verifies."""
+    from contextlib import contextmanager
+
+    from cudflash.models.dflash import DFlashDraftModel
+    from cudflash.models.target import TargetModel
+
+    named, forwards = [], []
+
+    @contextmanager
+    def inexact_rows(self, rows):
+        named.append(rows)
+        yield
+
+    def spy(kind, real):
+        def forward(self, batch, *a, **kw):
+            cu = batch.meta.cu_seqlens_q
+            forwards.append((kind, named[-1], int(cu[-1]), int(cu[getattr(batch, "chunked_seqs", 0)])))
+            return real(self, batch, *a, **kw)
+        return forward
+
+    monkeypatch.setattr(NumpyBackend, "inexact_rows", inexact_rows)
+    monkeypatch.setattr(TargetModel, "forward", spy("target", TargetModel.forward))
+    monkeypatch.setattr(DFlashDraftModel, "forward", spy("draft", DFlashDraftModel.forward))
+    prompts = json.loads((tiny_pair / "prompts_dev.json").read_text())["prompts"][:3]
+    llm = LLM(tiny_pair / "target", draft=tiny_pair / "drafter", backend="cpu", max_num_seqs=3,
+              max_num_batched_tokens=64)
+    llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    targets = [f for f in forwards if f[0] == "target"]
+    for kind, inexact, rows, prefill_rows in forwards:
+        assert inexact == (prefill_rows if kind == "target" else rows), (kind, inexact, rows, prefill_rows)
+    assert any(0 < f[3] < f[2] for f in targets)  # a step mixing prefill chunks and verifies
+    assert any(f[3] == 0 for f in targets) and any(f[0] == "draft" for f in forwards)

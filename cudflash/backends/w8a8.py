@@ -62,8 +62,8 @@ def weight_scales(w: Fp8Weight, block: bool | None = None) -> tuple[cupy.ndarray
     aligned = w.shape[1] // SCALE_COLS % 4 == 0  # rows of block scales 16 bytes apart: all cuBLASLt reads right
     if (w.block_grid and aligned) if block is None else block:
         if not (w.block_grid and aligned):
-            raise ValueError(f"block scales asked of a weight {list(w.shape)} not on the 128 x 128 grid or with K / 128 "
-                             "not a multiple of 4")
+            raise ValueError(f"block scales asked of a weight {list(w.shape)} off the 128 x 128 grid or with "
+                             "K / 128 not a multiple of 4")
         return w.scale, SCALE_BLK128X128_32F
     return row_scales(w.scale, w.rows, xp=cupy), SCALE_VEC128_32F
 

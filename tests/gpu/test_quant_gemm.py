@@ -37,8 +37,8 @@ def cb(request):
     streaming GEMM (tuning.stream_gemm_w8_warps: another summation order, the same function)."""
     from cudflash.backends.cuda_backend import CudaBackend
 
-    return CudaBackend(tuning={"fp8_on_device": True, "stream_gemm_w8_warps": request.param,
-                               "fp8_w8a8": False})  # the many-row inexact path is then the dequantized one (W8A8: test_w8a8.py)
+    # fp8_w8a8 off: the inexact rows' many-row path is the dequantized one here (W8A8's: test_w8a8.py)
+    return CudaBackend(tuning={"fp8_on_device": True, "stream_gemm_w8_warps": request.param, "fp8_w8a8": False})
 
 
 def quantized(rng, n: int, k: int, scale: float = 1.0) -> QuantizedWeight:
@@ -143,7 +143,7 @@ def check_routes(cb, rng, m: int, monkeypatch, quantized, ref_gemm, off_k: int) 
     which go through the dequantized bf16 weight and cuBLAS, as every row at K = off_k (off the stage's columns)
     does. All compute the product (`ref_gemm`), and a streamed row has the bits of that row streamed alone."""
     skip_without_tma()
-    assert cb.tuning.quantized_stream_max_rows == 64 and not cb.tuning.fp8_w8a8
+    assert cb.tuning.quantized_stream_max_rows == 64
     calls = []
     real = sg.stream_gemm
     monkeypatch.setattr(sg, "stream_gemm", lambda *a: calls.append((a[0].shape[0], a[1].shape)) or real(*a))
@@ -151,6 +151,7 @@ def check_routes(cb, rng, m: int, monkeypatch, quantized, ref_gemm, off_k: int) 
         qw = quantized(rng, 520, k, scale=k ** -0.5)
         x = rnd(rng, m, k)
         w = cb.load_quantized(qw)
+        assert not (isinstance(w, fp8_weight.Fp8Weight) and cb.tuning.fp8_w8a8)  # W8A8's routes: test_w8a8.py
         for inexact in (0, m):
             calls.clear()
             with cb.inexact_rows(inexact):
