@@ -55,6 +55,13 @@ def _find_cublaslt() -> str:
     raise BackendError("cannot find libcublasLt (it comes with libcublas: the nvidia-cublas wheel or the toolkit)")
 
 
+def library_version() -> int:
+    """cublasLtGetVersion of the library CublasLt loads (120900 for 12.9: the first with the 128-column scales)."""
+    lib = ctypes.CDLL(_find_cublaslt())
+    lib.cublasLtGetVersion.restype = ctypes.c_size_t
+    return int(lib.cublasLtGetVersion())
+
+
 @dataclass
 class _Plan:
     desc: ctypes.c_void_p  # cublasLtMatmulDesc_t

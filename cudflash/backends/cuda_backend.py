@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import cupy
 import numpy as np
 
-from cudflash.backends import cuda_gdn, cuda_gdn_chunk, fp4_weight, fp8_weight, kernel_loader, stream_gemm, w8a8
+from cudflash.backends import (cublaslt, cuda_gdn, cuda_gdn_chunk, fp4_weight, fp8_weight, kernel_loader, stream_gemm,
+                               w8a8)
 from cudflash.backends.base import AttentionMeta, DeferredNorm
 from cudflash.backends.cublas import Cublas
 from cudflash.backends.cublaslt import CublasLt
@@ -445,11 +447,28 @@ class CudaBackend:
         """Many rows that need no decode's rounding: with tuning.fp8_w8a8 an FP8 product on the FP8 tensor cores, x
         quantized per row and 128 columns (w8a8.py), else over the dequantized weight."""
         m, (n, k) = x.shape[0], weight.shape
-        if not (isinstance(weight, Fp8Weight) and self.tuning.fp8_w8a8 and w8a8.usable(m, n, k)):
+        if not (isinstance(weight, Fp8Weight) and self._w8a8 and w8a8.usable(m, n, k)):
             return self._gemm_dequantized(x, weight, out_dtype, swiglu, streamed_out)
-        y = w8a8.gemm(self._blas_lt, self._gemm_rows(x, True), weight, cupy.float32 if swiglu else out_dtype,
-                      self.tuning)
+        try:
+            y = w8a8.gemm(self._blas_lt, self._gemm_rows(x, True), weight, cupy.float32 if swiglu else out_dtype,
+                          self.tuning)
+        except BackendError as err:  # cuBLASLt has no algorithm for it here: the rows are the same either way
+            self._w8a8 = False
+            print(f"cudflash: W8A8 is off from here on ({err}); FP8 prefill runs over the dequantized weight",
+                  file=sys.stderr, flush=True)
+            return self._gemm_dequantized(x, weight, out_dtype, swiglu, streamed_out)
         return self._swiglu_rows(y) if swiglu else y
+
+    @functools.cached_property
+    def _w8a8(self) -> bool:
+        """Whether inexact FP8 rows run W8A8 here: tuning.fp8_w8a8, a Hopper GPU (cuBLASLt's 128-column FP8 scale
+        modes are Hopper's; Blackwell has other ones) and cuBLASLt 12.9 or later."""
+        if not self.tuning.fp8_w8a8 or int(cupy.cuda.Device().compute_capability) // 10 != 9:
+            return False
+        try:
+            return cublaslt.library_version() >= 120900
+        except (BackendError, OSError, AttributeError):
+            return False
 
     @contextlib.contextmanager
     def inexact_rows(self, rows: int) -> Iterator[None]:

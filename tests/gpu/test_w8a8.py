@@ -140,3 +140,28 @@ def test_the_engine_runs_prefill_rows_w8a8_and_no_other_row(tiny_pair, monkeypat
     assert sum(rows) == 4 * layers * sum(len(p) for p in prompts)  # qkv, o_proj, gate_up, down over each token
     ar = LLM(tiny_pair / "target", backend="cuda", quantize="fp8", tuning=tuning).generate(prompts, params)
     assert [s.token_ids for s in spec] == [a.token_ids for a in ar]
+
+
+def test_w8a8_falls_back_to_the_dequantized_weight_where_cublaslt_fails(rng, monkeypatch, capsys):
+    """A cuBLASLt failure (no algorithm for a shape on this GPU or library) turns W8A8 off with a notice: the inexact
+    rows then come from the dequantized weight, with the bits they have with fp8_w8a8 off."""
+    from cudflash.backends.cublaslt import CublasLt
+    from cudflash.backends.cuda_backend import CudaBackend
+    from cudflash.errors import BackendError
+
+    skip_without_tma()
+    on, off = (CudaBackend(tuning={"fp8_on_device": True, "fp8_w8a8": f}) for f in (True, False))
+    if not on._w8a8:
+        pytest.skip("W8A8 needs a Hopper GPU and cuBLASLt 12.9 or later")
+
+    def fail(*args, **kwargs):
+        raise BackendError("cuBLASLt MatmulAlgoGetHeuristic failed with status 15")
+
+    monkeypatch.setattr(CublasLt, "gemm_fp8", fail)
+    qw, x = quantized(rng, 512, 1024), rnd(rng, 200, 1024)
+    ys = []
+    for cb in (on, off):
+        with cb.inexact_rows(200):
+            ys.append(cb.to_numpy(cb.linear(cb.asarray(x, "act"), cb.load_quantized(qw), out_f32=True)))
+    assert np.array_equal(ys[0], ys[1])
+    assert "W8A8 is off" in capsys.readouterr().err and on._w8a8 is False
