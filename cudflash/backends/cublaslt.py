@@ -110,6 +110,11 @@ class CublasLt:
         self._check(self.fn["cublasLtMatmulDescSetAttribute"](desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
                     f"MatmulDescSetAttribute({attr})")
 
+    def _point(self, desc: ctypes.c_void_p, scales: tuple[int, int]) -> None:
+        """The descriptor's scale pointers: A's (the weight's) and B's (x's), device addresses."""
+        self._set(desc, DESC_A_SCALE_POINTER, ctypes.c_void_p(scales[0]))
+        self._set(desc, DESC_B_SCALE_POINTER, ctypes.c_void_p(scales[1]))
+
     def _layout(self, dtype: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
         out = ctypes.c_void_p()
         self._check(self.fn["cublasLtMatrixLayoutCreate"](ctypes.byref(out), dtype, rows, cols, ld),
@@ -129,8 +134,7 @@ class CublasLt:
         self._set(desc, DESC_TRANSB, ctypes.c_int32(CUBLAS_OP_N))
         self._set(desc, DESC_A_SCALE_MODE, ctypes.c_int32(w_mode))
         self._set(desc, DESC_B_SCALE_MODE, ctypes.c_int32(SCALE_VEC128_32F))
-        self._set(desc, DESC_A_SCALE_POINTER, ctypes.c_void_p(scales[0]))
-        self._set(desc, DESC_B_SCALE_POINTER, ctypes.c_void_p(scales[1]))
+        self._point(desc, scales)
         layouts = (self._layout(CUDA_R_8F_E4M3, k, n, k), self._layout(CUDA_R_8F_E4M3, k, m, k),
                    self._layout(y_type, n, m, n))
         vp = ctypes.c_void_p
@@ -152,8 +156,7 @@ class CublasLt:
         (m, k), n = x_codes.shape, w_codes.shape[0]
         scales = (w_scales.data.ptr, x_scales.data.ptr)
         plan = self._plan(m, n, k, w_mode, CUDA_R_32F if y.dtype == cupy.float32 else CUDA_R_16BF, scales)
-        self._set(plan.desc, DESC_A_SCALE_POINTER, ctypes.c_void_p(scales[0]))
-        self._set(plan.desc, DESC_B_SCALE_POINTER, ctypes.c_void_p(scales[1]))
+        self._point(plan.desc, scales)
         a, b, c = plan.layouts
         self._check(self.fn["cublasLtMatmul"](
             self.handle, plan.desc, ctypes.byref(self._alpha), w_codes.data.ptr, a, x_codes.data.ptr, b,

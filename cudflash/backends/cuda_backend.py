@@ -420,10 +420,13 @@ class CudaBackend:
         if not m or stream_gemm.streams_quantized(m, n, k, bits, self.tuning):
             return self._gemm_streamed(x, weight, out_dtype, swiglu, streamed_out)
         p = min(self._inexact_rows, m)
+        if p == m:
+            return self._gemm_inexact(x, weight, out_dtype, swiglu, streamed_out)
         exact = self._gemm_streamed if stream_gemm.usable_quantized(1, n, k, bits) else self._gemm_dequantized
-        parts = ([self._gemm_inexact(x[:p], weight, out_dtype, swiglu, streamed_out)] if p else []) + (
-            [exact(x[p:], weight, out_dtype, swiglu, streamed_out)] if p < m else [])
-        return parts[0] if len(parts) == 1 else cupy.concatenate(parts)
+        if not p:
+            return exact(x, weight, out_dtype, swiglu, streamed_out)
+        return cupy.concatenate([self._gemm_inexact(x[:p], weight, out_dtype, swiglu, streamed_out),
+                                 exact(x[p:], weight, out_dtype, swiglu, streamed_out)])
 
     def _gemm_streamed(self, x: cupy.ndarray, weight: Fp8Weight | Fp4Weight, out_dtype: np.dtype, swiglu: bool,
                        streamed_out) -> cupy.ndarray:

@@ -38,12 +38,6 @@ def usable(m: int, n: int, k: int) -> bool:
     return m >= 1 and k % SCALE_COLS == 0 and n % 16 == 0
 
 
-def row_scales(scale, rows, xp=np):
-    """[K / 128, N]: scale[rows[n], b] at [b, n], the weight's scales per row and 128 columns (`xp`: numpy or
-    CuPy)."""
-    return xp.ascontiguousarray(scale[rows].T)
-
-
 def quantize_rows(x: cupy.ndarray, rows: int, tuning: CudaTuning) -> tuple[cupy.ndarray, cupy.ndarray]:
     """x [M, K] bf16 (unit column stride, rows 8-byte aligned) -> (codes [rows, K] uint8, scales [K / 128, rows]
     float32), rows >= M (the padding rows: zero codes, scale 1)."""
@@ -58,14 +52,14 @@ def quantize_rows(x: cupy.ndarray, rows: int, tuning: CudaTuning) -> tuple[cupy.
 
 def weight_scales(w: Fp8Weight, block: bool | None = None) -> tuple[cupy.ndarray, int]:
     """(w's scales for the GEMM, their cuBLASLt mode): the block grid as it is where w is on it (or `block`), else
-    the gathered row scales."""
+    the scales gathered per row and 128 columns, scale[rows[n], b] at [b, n] of [K / 128, N]."""
     aligned = w.shape[1] // SCALE_COLS % 4 == 0  # rows of block scales 16 bytes apart: all cuBLASLt reads right
     if (w.block_grid and aligned) if block is None else block:
         if not (w.block_grid and aligned):
             raise ValueError(f"block scales asked of a weight {list(w.shape)} off the 128 x 128 grid or with "
                              "K / 128 not a multiple of 4")
         return w.scale, SCALE_BLK128X128_32F
-    return row_scales(w.scale, w.rows, xp=cupy), SCALE_VEC128_32F
+    return cupy.ascontiguousarray(w.scale[w.rows].T), SCALE_VEC128_32F
 
 
 def gemm(lt: CublasLt, x: cupy.ndarray, w: Fp8Weight, out_dtype: np.dtype, tuning: CudaTuning,

@@ -14,6 +14,7 @@ from cudflash.quant import dequantize, quantize_fp8_block  # noqa: E402
 from cudflash.quant.numerics import decode_e4m3  # noqa: E402
 
 from .test_ops import check, rnd  # noqa: E402
+from .test_quant_gemm import quantized as quantize_fp8  # noqa: E402
 from .test_stream_gemm import skip_without_tma  # noqa: E402
 
 
@@ -38,7 +39,7 @@ FP8_MMA_TOL = 1e-3
 
 
 def quantized(rng, n: int, k: int):
-    return quantize_fp8_block((rng.standard_normal((n, k)) * k ** -0.5).astype(np.float32))
+    return quantize_fp8(rng, n, k, scale=k ** -0.5)
 
 
 def x_fp8_values(x: np.ndarray) -> np.ndarray:
