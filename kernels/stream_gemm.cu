@@ -1,4 +1,5 @@
-// stream_gemm.cu: y[M, N] = x[M, K] @ w[N, K]^T for a few rows (M <= 16: decode, verify, propose), the weight
+// stream_gemm.cu: y[M, N] = x[M, K] @ w[N, K]^T for a few rows (M <= 16: decode, verify, propose; up to 64 for an
+// FP8 / NVFP4 weight, whose many rows of a large verify must keep a decode's bits), the weight
 // streamed through a shared-memory ring by bulk asynchronous copies (TMA) that start before the kernel waits for
 // its predecessor.
 //
@@ -9,8 +10,9 @@
 //
 // Layout: x [M, K] bf16, row stride ldx (elements; 16-byte aligned rows); w [N, K] bf16 contiguous; y [M, N] Y
 // (bf16 or float32) contiguous. K % KT == 0 (the wrapper checks); any N. Both operands come through 2-D tensor
-// maps (stream_gemm.py): w in boxes of [16 T rows][64 columns], x in boxes of [16 rows][64 columns]; rows past N
-// or past M are filled with zeros by the copy engine, and only reach their own (masked) outputs anyway.
+// maps (stream_gemm.py): w in boxes of [16 T rows][64 columns], x in boxes of [16 rows][64 columns] (a wide
+// launch of a quantized weight: [8 NT rows], M <= 8 NT <= 64); rows past N or past M are filled with zeros by the
+// copy engine, and only reach their own (masked) outputs anyway.
 // Work: w's rows form blocks of 16 T; CTA b takes blocks b, b + gridDim.x, ... and streams each in K tiles of
 // KT columns: one ring stage holds a tile's KT / 64 weight boxes and KT / 64 x boxes (layout below).
 // Warps: 0..CW-1 compute (CW = 4, or 8 for W8 and W4: two per scheduler, below), warp CW copies (its lane 0 arms
@@ -206,7 +208,13 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     constexpr int WCOLS = KT / CW;  // stage columns of one compute warp: [warp WCOLS, + WCOLS)
     constexpr int BOXES = KT / 64;                     // x boxes per stage (and bf16 weight boxes)
     constexpr int WBOXES = W4 ? KT / 256 : W8 ? KT / 128 : BOXES;  // weight boxes per stage (128 bytes of a row each)
-    constexpr int WBOX = 16 * T * 128, XBOX = 16 * 128;  // bytes
+    // Wide launches (NT = 4 or 8: 32 or 64 rows, for FP8 / NVFP4 products of more than 16 rows, which read the
+    // weight once for all of them): x in boxes of 8 NT rows, the plain and SwiGLU epilogues only (the norm
+    // epilogues' row sums are laid out for SG_MAX_ROWS rows).
+    static_assert(NT == 1 || NT == 2 || ((NT == 4 || NT == 8) && WB != 16 && !XRES && (EPI & ~SG_SWIGLU) == 0),
+                  "one or two token tiles, or a wide launch of a quantized weight");
+    constexpr int XROWS = NT > 2 ? 8 * NT : 16;  // rows of an x box
+    constexpr int WBOX = 16 * T * 128, XBOX = XROWS * 128;  // bytes
     constexpr int SBOX = W4 ? 16 * T * (KT / 16) : 0;    // W4: the stage's scale bytes, [16 T rows][KT / 16]
     constexpr int STAGE_TX = WBOXES * WBOX + (XRES ? 0 : BOXES * XBOX) + SBOX;  // bytes the copies bring
     constexpr int STAGE = (STAGE_TX + 1023) & ~1023;  // stages 1024-byte aligned (the swizzle's boxes)

@@ -34,6 +34,7 @@ def test_values_are_read_as_their_fields_type_and_the_last_assignment_wins(tmp_p
     ("stream_gemm_prefill_stages=two", "stream_gemm_prefill_stages expects an integer"),
     ("stream_gemm_prefill_stages=-1", "tuning.stream_gemm_prefill_stages: expected a non-negative integer, got -1"),
     ("quantized_stream_max_rows=-16", "tuning.quantized_stream_max_rows: expected a non-negative integer, got -16"),
+    ("quantized_launch_rows=48", "tuning.quantized_launch_rows: 16, 32 or 64, got 48"),
     (f"invariant_max_context={2 * INVARIANT_CONTEXT_LIMIT}", f"at most {INVARIANT_CONTEXT_LIMIT} keys"),
     ("kernel_dir=/no/such/folder", "tuning.kernel_dir: /no/such/folder is not a folder"),
     ("pdl", "expected NAME=VALUE"),

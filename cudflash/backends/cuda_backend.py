@@ -395,10 +395,10 @@ class CudaBackend:
     def _gemm_quantized(self, x: cupy.ndarray | DeferredNorm, weight: Fp8Weight | Fp4Weight, out_dtype: np.dtype,
                         swiglu: bool, streamed_out) -> cupy.ndarray:
         """_gemm for an FP8 or NVFP4 weight. Up to 16 rows (stream_gemm.usable_quantized): the streaming GEMM reads
-        the codes, with the epilogues as for bf16; up to tuning.quantized_stream_max_rows rows it does so in launches
-        of 16 rows (stream_gemm.streams_quantized: a verify of a few sequences). Beyond: the rows `inexact_rows`
+        the codes, with the epilogues as for bf16; up to tuning.quantized_stream_max_rows rows it does so in wide
+        launches (stream_gemm.streams_quantized: a verify of a few sequences). Beyond: the rows `inexact_rows`
         names (prefill chunks, a drafter's) the faster way (_gemm_inexact); every other row (a large verify's) still
-        streams in launches of 16 rows, whatever their number, so that it keeps the bits of its decode: a verify's
+        streams, in wide launches whatever their number, so that it keeps the bits of its decode: a verify's
         rows over the weight rounded to bf16, as the dequantized path has it, made the tiny pair's speculative output
         differ from its autoregressive one on every prompt. K off the stage's columns: dequantized (a decode too)."""
         n, k = weight.shape
@@ -430,9 +430,11 @@ class CudaBackend:
 
     def _gemm_streamed(self, x: cupy.ndarray, weight: Fp8Weight | Fp4Weight, out_dtype: np.dtype, swiglu: bool,
                        streamed_out) -> cupy.ndarray:
-        """The codes streamed in launches of 16 rows (stream_gemm.stream_chunks): each row has the bits it has alone."""
+        """The codes streamed, beyond 16 rows in launches of tuning.quantized_launch_rows (stream_gemm.stream_chunks):
+        each row has the bits it has alone."""
         y, x = streamed_out(x.shape[0]), self._gemm_rows(x, True)
-        for rows in stream_gemm.stream_chunks(x.shape[0]):
+        per = stream_gemm.launch_rows(stream_gemm.weight_bits(weight), self.tuning)
+        for rows in stream_gemm.stream_chunks(x.shape[0], per):
             stream_gemm.stream_gemm(x[rows], weight, y[rows], self.num_sms, self.tuning, swiglu)
         return y
 

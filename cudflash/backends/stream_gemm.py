@@ -36,6 +36,12 @@ NVFP4 weights (fp4_weight.Fp4Weight: E2M1 codes in w4_layout's device layout, a 
 scale per row) take its W4 instantiations: stages of 512 columns (the code bytes of an FP8 stage), the scale bytes
 brought by a second tensor map beside the codes, each decoded pair multiplied by its scale in bf16 (exactly), the
 global scale applied to each row's float32 sum.
+
+A quantized product of more than 16 rows (a verify of several sequences, whose rows must keep their decodes' bits)
+streams in wide launches of 32 or 64 rows (`wide_plan`, tuning.quantized_launch_rows): x in boxes of that many rows,
+each weight fragment decoded once for all of them. A row's float32 summation order depends on (K, the stage's
+columns, the compute warps) alone, not on the row tiles t or the token tiles of a launch, so a row of a wide launch
+has the bits of that row streamed alone.
 """
 from __future__ import annotations
 
@@ -55,6 +61,12 @@ from cudflash.backends.tuning import CudaTuning
 from cudflash.errors import BackendError
 
 MAX_ROWS = 16  # two token tiles of 8
+# Row tiles per block of a wide launch, by (bits, token tiles): the most whose accumulators stay in registers
+# (ptxas -v; W4's x boxes of 512 columns make a 64-row stage 69 KB, so its launches stop at 32 rows).
+WIDE_MAX_T = {(8, 4): 4, (8, 8): 2, (4, 4): 2}
+# Shared memory of a wide launch's CTA: the deep x boxes need more than SMEM_BUDGET; Hopper's opt-in limit of
+# 227 KiB per CTA less the kernel's static row_scale.
+WIDE_SMEM_BUDGET = (227 << 10) - 4 * MAX_ROWS
 MAX_PARTS = 256  # SG_MAX_PARTS: producer CTAs whose partial sums of squares a row-scaling GEMM folds
 KT = 256  # K columns per ring stage (bf16, FP8): 64 per compute warp, four k16 MMA steps
 KT_W4 = 512  # per ring stage of an NVFP4 weight: the code bytes of an FP8 stage
@@ -81,6 +93,7 @@ class Plan:
 
     bits: int = 16  # bits per weight element: 16 bf16, 8 FP8 (boxes of 128 one-byte codes), 4 NVFP4 (256 codes)
     warps: int = BF16_WARPS  # compute warps (CW): each takes stage_cols / warps columns of a stage; one more copies
+    nt: int = 2  # token tiles of 8 rows the launch is sized for: 1 or 2 (up to 16 rows), a wide launch's 4 or 8
 
     @property
     def threads(self) -> int:
@@ -91,12 +104,13 @@ class Plan:
         return stage_cols(self.bits)
 
     @staticmethod
-    def stage_bytes(t: int, x_resident: bool = False, bits: int = 16) -> int:
-        """One ring stage: the weight's stage_cols(bits) columns of 16 t rows, and x boxes [16][BOX_K] bf16 over
-        them unless x is resident; FP8: and the stage's scales, KT / 128 x 16 t float32 (the copy warp stages them
-        beside the codes); NVFP4: and its scale bytes, 16 t x KT_W4 / 16, the stage rounded up to 1024 bytes."""
+    def stage_bytes(t: int, x_resident: bool = False, bits: int = 16, nt: int = 2) -> int:
+        """One ring stage: the weight's stage_cols(bits) columns of 16 t rows, and x boxes [x_box_rows(nt)][BOX_K]
+        bf16 over them unless x is resident; FP8: and the stage's scales, KT / 128 x 16 t float32 (the copy warp
+        stages them beside the codes); NVFP4: and its scale bytes, 16 t x KT_W4 / 16, the stage rounded up to 1024
+        bytes."""
         kt = stage_cols(bits)
-        x = 0 if x_resident else kt // BOX_K * 16 * BOX_K * 2
+        x = 0 if x_resident else kt // BOX_K * x_box_rows(nt) * BOX_K * 2
         if bits == 4:
             return -(-(16 * t * kt // 2 + x + 16 * t * kt // 16) // 1024) * 1024
         return 16 * t * kt * bits // 8 + x + (KT // SCALE_COLS * 16 * t * 4 if bits == 8 else 0)
@@ -104,14 +118,20 @@ class Plan:
     def smem(self, x_bytes: int | None = None) -> int:
         """Dynamic shared memory to request, with x's rows resident (`x_bytes`) or in boxes (None): at least
         SMEM_BUDGET, which keeps two CTAs off one SM."""
-        ring = self.stages * self.stage_bytes(self.t, x_bytes is not None, self.bits)
-        return max(SMEM_BUDGET, self.fixed_bytes(self.t, self.warps) + ring + (x_bytes or 0))
+        ring = self.stages * self.stage_bytes(self.t, x_bytes is not None, self.bits, self.nt)
+        return max(SMEM_BUDGET, self.fixed_bytes(self.t, self.warps, self.nt) + ring + (x_bytes or 0))
 
     @staticmethod
-    def fixed_bytes(t: int, warps: int = BF16_WARPS) -> int:
-        """Everything but the ring and resident x: alignment slack, the partials red[warps - 1][t][2][4][32]
-        float32, the barriers (full and empty for up to 16 stages, the x barrier)."""
-        return 1024 + (warps - 1) * t * 2 * 4 * 32 * 4 + 16 * 16 + 16
+    def fixed_bytes(t: int, warps: int = BF16_WARPS, nt: int = 2) -> int:
+        """Everything but the ring and resident x: alignment slack, the partials red[warps - 1][t][nt][4][32]
+        float32, the barriers (full and empty for up to 16 stages, the x
+        barrier)."""
+        return 1024 + (warps - 1) * t * nt * 4 * 32 * 4 + 16 * 16 + 16
+
+
+def x_box_rows(nt: int) -> int:
+    """Rows of an x box: 16 for launches of up to 16 rows, 8 nt for a wide one."""
+    return 8 * nt if nt > 2 else 16
 
 
 def stage_cols(bits: int) -> int:
@@ -157,8 +177,40 @@ def plan_for(n: int, k: int, num_sms: int, bits: int = 16, warps: int = BF16_WAR
 
 def weight_plan(n: int, k: int, num_sms: int, bits: int, tuning: CudaTuning) -> Plan:
     """plan_for with the weight format's compute warps."""
-    warps = {16: BF16_WARPS, 8: tuning.stream_gemm_w8_warps, 4: W4_WARPS}[bits]
-    return plan_for(n, k, num_sms, bits, warps)
+    return plan_for(n, k, num_sms, bits, _warps(bits, tuning))
+
+
+def _warps(bits: int, tuning: CudaTuning) -> int:
+    return {16: BF16_WARPS, 8: tuning.stream_gemm_w8_warps, 4: W4_WARPS}[bits]
+
+
+@functools.cache
+def wide_plan(n: int, k: int, num_sms: int, bits: int, warps: int, nt: int) -> Plan:
+    """The plan of a wide launch (nt = 4 or 8 token tiles) over a quantized weight: row blocks of at most
+    WIDE_MAX_T[bits, nt] tiles, chosen as plan_for chooses, and a ring filling WIDE_SMEM_BUDGET. Its rows' bits are
+    those of plan_for's launches (the order of a row's sums does not depend on t or nt)."""
+    tiles = math.ceil(n / 16)
+    most = WIDE_MAX_T[bits, nt]
+
+    def cost(t: int) -> float:
+        return math.ceil(math.ceil(tiles / t) / num_sms) * (t + BLOCK_OVERHEAD_TILES)
+
+    t = min(range(most, 0, -1), key=cost)
+    blocks = math.ceil(tiles / t)
+    rounds = math.ceil(blocks / num_sms)
+    stages = (WIDE_SMEM_BUDGET - Plan.fixed_bytes(t, warps, nt)) // Plan.stage_bytes(t, bits=bits, nt=nt)
+    return Plan(t=t, grid=math.ceil(blocks / rounds), stages=min(16, stages), bits=bits, warps=warps, nt=nt)
+
+
+def launch_plan(m: int, n: int, k: int, num_sms: int, bits: int, tuning: CudaTuning) -> Plan:
+    """The plan of one launch of m rows: plan_for's up to MAX_ROWS, a wide plan for up to 64 quantized rows (the
+    fewest token tiles that hold them)."""
+    if m <= MAX_ROWS:
+        return weight_plan(n, k, num_sms, bits, tuning)
+    nt = 4 if m <= 32 else 8
+    if bits == 16 or (bits, nt) not in WIDE_MAX_T:
+        raise BackendError(f"stream_gemm: no launch of {m} rows over a {bits}-bit weight")
+    return wide_plan(n, k, num_sms, bits, _warps(bits, tuning), nt)
 
 
 _SMEM_PER_SM, _SMEM_PER_BLOCK_OPTIN = 81, 97  # cudaDeviceAttr values
@@ -203,9 +255,26 @@ def streams_quantized(m: int, n: int, k: int, bits: int, tuning: CudaTuning) -> 
     return 1 <= m <= max(MAX_ROWS, tuning.quantized_stream_max_rows) and usable_quantized(1, n, k, bits)
 
 
-def stream_chunks(m: int) -> list[slice]:
-    """The rows of each launch of a streamed product of m rows: MAX_ROWS at a time."""
-    return [slice(i, min(i + MAX_ROWS, m)) for i in range(0, m, MAX_ROWS)]
+def launch_rows(bits: int, tuning: CudaTuning) -> int:
+    """The most rows one launch of a streamed quantized product takes: tuning.quantized_launch_rows, NVFP4's at
+    most 32 (WIDE_MAX_T); 16 on a GPU whose CTAs cannot have WIDE_SMEM_BUDGET."""
+    if not _wide_available():
+        return MAX_ROWS
+    rows = tuning.quantized_launch_rows
+    return min(rows, 32) if bits == 4 else rows
+
+
+@functools.cache
+def _wide_available() -> bool:
+    dev = cupy.cuda.Device()
+    return cupy.cuda.runtime.deviceGetAttribute(_SMEM_PER_BLOCK_OPTIN, dev.id) >= WIDE_SMEM_BUDGET + 4 * MAX_ROWS
+
+
+def stream_chunks(m: int, per: int = MAX_ROWS) -> list[slice]:
+    """The rows of each launch of a streamed product of m rows: `per` at a time (up to MAX_ROWS, a few rows, in
+    one launch)."""
+    per = max(per, MAX_ROWS) if m > MAX_ROWS else MAX_ROWS
+    return [slice(i, min(i + per, m)) for i in range(0, m, per)]
 
 
 def fusable_quantized(m: int, n: int, k: int, bits: int, num_sms: int, tuning: CudaTuning) -> bool:
@@ -283,10 +352,13 @@ def _name(t: int, nt: int, y: str, epilogue: int, x_resident: bool, bits: int, w
 def _names(bits: int, warps: int) -> tuple[str, ...]:
     """Every instantiation of a module: one per weight format (bf16, FP8 with the tuning's compute warps, NVFP4: the
     same source compiled apart, so that one format's instantiations never change another's build)."""
-    return tuple(_name(t, nt, y, e, res, bits, warps) for t in (1, 2, 3, 4)
-                 for nt, res in ((1, False), (2, False), (1, True))
-                 for y, e in (("float", PLAIN), ("bf16", PLAIN), ("float", ADD_NORM), ("float", ROW_SCALE),
-                              ("bf16", ROW_SCALE), ("bf16", SWIGLU), ("bf16", ROW_SCALE | SWIGLU)))
+    few = tuple(_name(t, nt, y, e, res, bits, warps) for t in (1, 2, 3, 4)
+                for nt, res in ((1, False), (2, False), (1, True))
+                for y, e in (("float", PLAIN), ("bf16", PLAIN), ("float", ADD_NORM), ("float", ROW_SCALE),
+                             ("bf16", ROW_SCALE), ("bf16", SWIGLU), ("bf16", ROW_SCALE | SWIGLU)))
+    wide = tuple(_name(t, nt, y, e, False, bits, warps) for (b, nt), most in WIDE_MAX_T.items() if b == bits
+                 for t in range(1, most + 1) for y, e in (("float", PLAIN), ("bf16", PLAIN), ("bf16", SWIGLU)))
+    return few + wide
 
 
 def stream_gemm(x: cupy.ndarray, w: Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
@@ -327,9 +399,9 @@ def kernel_name(m: int, w: Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTu
     `_launch`'s `names`)."""
     n, k = w.shape
     bits = weight_bits(w)
-    plan = weight_plan(n, k, num_sms, bits, tuning)
-    return _name(plan.t, 1 if m <= 8 else 2, _Y[y.dtype.name], epilogue, resident_x_bytes(m, k, bits) is not None,
-                 bits, plan.warps)
+    plan = launch_plan(m, n, k, num_sms, bits, tuning)
+    nt = plan.nt if m > MAX_ROWS else 1 if m <= 8 else 2
+    return _name(plan.t, nt, _Y[y.dtype.name], epilogue, resident_x_bytes(m, k, bits) is not None, bits, plan.warps)
 
 
 def _launch(x: cupy.ndarray, w: Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
@@ -340,7 +412,9 @@ def _launch(x: cupy.ndarray, w: Weight, y: cupy.ndarray, num_sms: int, tuning: C
     bits = weight_bits(w)
     if epilogue & SWIGLU and (n % 16 or y.shape != (m, n // 2) or y.dtype.name == "float32"):
         raise BackendError(f"stream_gemm swiglu: weight rows {n} (need a multiple of 16), y {y.shape} {y.dtype}")
-    plan = weight_plan(n, k, num_sms, bits, tuning)
+    if m > MAX_ROWS and epilogue & ~SWIGLU:
+        raise BackendError(f"stream_gemm: the norm epilogues take at most {MAX_ROWS} rows, not {m}")
+    plan = launch_plan(m, n, k, num_sms, bits, tuning)
     x_bytes = resident_x_bytes(m, k, bits)
     name = kernel_name(m, w, y, num_sms, tuning, epilogue)
     kern = kernel_loader.function("stream_gemm", name, names or _names(bits, plan.warps), tuning=tuning)
@@ -357,7 +431,7 @@ def _launch(x: cupy.ndarray, w: Weight, y: cupy.ndarray, num_sms: int, tuning: C
         scales = WeightScales(w.scale.data.ptr, w.rows.data.ptr, w.scale.shape[1])
     else:
         wmap, scales = tensor_map(w.data.ptr, n, k, k, 16 * plan.t), WeightScales()
-    xmap = tensor_map(x.data.ptr, m, k, ldx, 16) if x_bytes is None else _x_rows(x.data.ptr, 2 * ldx)
+    xmap = tensor_map(x.data.ptr, m, k, ldx, x_box_rows(plan.nt)) if x_bytes is None else _x_rows(x.data.ptr, 2 * ldx)
     stream = cupy.cuda.get_current_stream()
     args = (wmap, xmap, y, i32(m), i32(n), i32(k), i32(plan.stages), i32(tuning.stream_gemm_prefill_stages), epi,
             scales, smap)

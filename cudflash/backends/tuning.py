@@ -48,12 +48,15 @@ class CudaTuning:
     # Compute warps of the streaming GEMM over an FP8 weight: 4 (one per scheduler) or 8 (two). Part of the plan: the
     # summation order depends on it, never on the rows (kernels/stream_gemm.cu).
     stream_gemm_w8_warps: int = 8
-    # FP8 / NVFP4 products of more than 16 rows and up to this many stream the codes in launches of 16 rows, each
-    # reading the whole weight (the rows keep the bits they have alone). Of a product of more rows, the rows that need
-    # no decode's rounding (Backend.inexact_rows: prefill chunks, a drafter's rows) take the faster many-row path
-    # (fp8_w8a8, or the weight dequantized to bf16 for cuBLAS); the others still stream in launches of 16 rows, so a
-    # large verify's rows round as their decodes do. 16: no launch beyond one.
+    # FP8 / NVFP4 products of more than 16 rows and up to this many stream the codes, in launches of
+    # quantized_launch_rows rows, each reading the whole weight (the rows keep the bits they have alone). Of a product
+    # of more rows, the rows that need no decode's rounding (Backend.inexact_rows: prefill chunks, a drafter's rows)
+    # take the faster many-row path (fp8_w8a8, or the weight dequantized to bf16 for cuBLAS); the others still
+    # stream, so a large verify's rows round as their decodes do. 16: no launch beyond one.
     quantized_stream_max_rows: int = 64
+    # Rows per launch of a streamed FP8 / NVFP4 product of more than 16 rows: 16, or a wide launch of 32 or 64 (x in
+    # boxes of that many rows, the weight read once for all of them; NVFP4 at most 32). No bit depends on it.
+    quantized_launch_rows: int = 64
     # The many-row path of an FP8 product's inexact rows: W8A8 on the FP8 tensor cores (backends/w8a8.py: x quantized
     # per row and 128 columns, cuBLASLt's block-scaled FP8 GEMM), instead of the dequantized weight and cuBLAS's bf16
     # GEMM: 1.45x the prefill of 2048 tokens (BENCHMARKS.md, session 20). It rounds x to FP8, which only rows
@@ -79,6 +82,8 @@ class CudaTuning:
                   "quantized_stream_max_rows"):
             if getattr(self, f) < 0:
                 raise ConfigError(f"tuning.{f}: expected a non-negative integer, got {getattr(self, f)}")
+        if self.quantized_launch_rows not in (16, 32, 64):
+            raise ConfigError(f"tuning.quantized_launch_rows: 16, 32 or 64, got {self.quantized_launch_rows}")
         if self.stream_gemm_w8_warps not in (4, 8):
             raise ConfigError(f"tuning.stream_gemm_w8_warps: 4 or 8, got {self.stream_gemm_w8_warps}")
         if self.invariant_max_context > INVARIANT_CONTEXT_LIMIT:

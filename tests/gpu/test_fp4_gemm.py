@@ -19,7 +19,7 @@ from cudflash.tiny import float32_to_bf16_bits  # noqa: E402
 
 from .test_ops import check, rnd  # noqa: E402
 from .test_quant_gemm import (  # noqa: E402
-    check_epilogues, check_routes, check_row_slice, check_rows_alone, check_stream_gemm, ref_gemm)
+    check_epilogues, check_routes, check_row_slice, check_rows_alone, check_stream_gemm, check_wide_swiglu, ref_gemm)
 from .test_stream_gemm import skip_without_tma  # noqa: E402
 
 FINITE_E4M3 = np.array([c for c in range(256) if (c & 0x7F) != 0x7F], dtype=np.uint8)
@@ -45,7 +45,8 @@ def quantized(rng, n: int, k: int, scale: float = 1.0, global_scale: float | Non
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 3, 9, 16])  # x resident; x in boxes of one and of two token tiles
+# x resident; x in boxes of one and of two token tiles; a wide launch of four token tiles (NVFP4's widest)
+@pytest.mark.parametrize("m", [1, 3, 9, 16, 17, 32])
 def test_fp4_stream_gemm_matches_numpy(cb, rng, n, k, m):
     qw = quantized(rng, n, k, scale=k ** -0.5)
     check_stream_gemm(cb, rng, qw, fp4_weight.upload(qw), m)
@@ -110,6 +111,11 @@ def test_fp4_rows_do_not_depend_on_the_other_rows(cb, rng, n, k):
 def test_fp4_epilogues_match_numpy(cb, rng, m):
     """test_quant_gemm.check_epilogues on NVFP4 weights."""
     check_epilogues(cb, rng, m, quantized, 1536, Fp4Weight)
+
+
+def test_fp4_wide_swiglu(cb, rng):
+    """test_quant_gemm.check_wide_swiglu on NVFP4 weights."""
+    check_wide_swiglu(cb, rng, quantized, 1536)
 
 
 def test_a_row_slice_is_those_rows_of_the_weight(cb, rng):

@@ -5,6 +5,7 @@ invariances the engine relies on (a row's bits do not depend on the other rows; 
 producer)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -15,6 +16,7 @@ cp = pytest.importorskip("cupy")
 from cudflash.backends import fp8_weight  # noqa: E402
 from cudflash.backends import stream_gemm as sg  # noqa: E402
 from cudflash.backends.base import DeferredNorm  # noqa: E402
+from cudflash.backends.cuda_backend import CudaBackend  # noqa: E402
 from cudflash.backends.cuda_util import bits  # noqa: E402
 from cudflash.backends.fp8_weight import Fp8Weight  # noqa: E402
 from cudflash.backends.numpy_backend import NumpyBackend  # noqa: E402
@@ -50,7 +52,8 @@ def ref_gemm(x: np.ndarray, w: QuantizedWeight) -> np.ndarray:
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 3, 9, 16])  # x resident; x in boxes of one and of two token tiles
+# x resident; x in boxes of one and of two token tiles; wide launches of four and eight token tiles
+@pytest.mark.parametrize("m", [1, 3, 9, 16, 17, 40, 64])
 def test_fp8_stream_gemm_matches_numpy(cb, rng, n, k, m):
     qw = quantized(rng, n, k, scale=k ** -0.5)
     check_stream_gemm(cb, rng, qw, fp8_weight.upload(qw), m)
@@ -138,8 +141,9 @@ def test_dequantize_bf16_is_numpy_rounded_once(cb, rng, n, k):
 
 def check_routes(cb, rng, m: int, monkeypatch, quantized, ref_gemm, off_k: int) -> None:
     """CudaBackend.linear of x [m, K] over a quantized weight [520, K] (`quantized(rng, n, k, scale)`): with K = 1024
-    every row streams the codes, in launches of 16 rows beyond 16 (a verify's rows keep their decodes' bits whatever
-    their number), except inexact rows (Backend.inexact_rows) of a product beyond quantized_stream_max_rows (64),
+    every row streams the codes, beyond 16 rows in launches of stream_gemm.launch_rows (a verify's rows keep their
+    decodes' bits whatever their number), except inexact rows (Backend.inexact_rows) of a product beyond
+    quantized_stream_max_rows (64),
     which go through the dequantized bf16 weight and cuBLAS, as every row at K = off_k (off the stage's columns)
     does. All compute the product (`ref_gemm`), and a streamed row has the bits of that row streamed alone."""
     skip_without_tma()
@@ -151,16 +155,17 @@ def check_routes(cb, rng, m: int, monkeypatch, quantized, ref_gemm, off_k: int) 
         qw = quantized(rng, 520, k, scale=k ** -0.5)
         x = rnd(rng, m, k)
         w = cb.load_quantized(qw)
+        per = sg.launch_rows(sg.weight_bits(w), cb.tuning) if m > 16 else 16
         assert not (isinstance(w, fp8_weight.Fp8Weight) and cb.tuning.fp8_w8a8)  # W8A8's routes: test_w8a8.py
         for inexact in (0, m):
             calls.clear()
             with cb.inexact_rows(inexact):
                 y = cb.linear(cb.asarray(x, "act"), w, out_f32=True)
             streamed = k == 1024 and (m <= 64 or not inexact)
-            assert calls == ([(min(16, m - i), (520, 1024)) for i in range(0, m, 16)] if streamed else [])
+            assert calls == ([(min(per, m - i), (520, 1024)) for i in range(0, m, per)] if streamed else [])
             check(cb.to_numpy(y), ref_gemm(x, qw), tol=1e-5 if streamed else 1e-2)
             if streamed:
-                for i in sorted({0, 15, 16, m - 1} & set(range(m))):
+                for i in sorted({0, 15, 16, 33, 64, m - 1} & set(range(m))):
                     alone = cb.linear(cb.asarray(x[i:i + 1], "act"), w, out_f32=True)
                     assert cp.array_equal(alone.view(cp.uint32), y[i:i + 1].view(cp.uint32)), i
 
@@ -172,17 +177,24 @@ def test_linear_routes_by_rows_and_k(cb, rng, m, monkeypatch):
 
 
 def check_rows_alone(cb, rng, w) -> None:
-    """Row i of a 16-row product over w [n, k] has the bits of the 1-row product of x[i] (a verify row == its
-    decode), for rows alone and in runs."""
+    """Row i of a product over w [n, k] has the bits of the 1-row product of x[i] (a verify row == its decode),
+    for rows alone and in runs: one launch of 16 rows, and 64 rows in wide launches of 32 and 64 rows (row tiles and
+    token tiles of other sizes, the same summation order) and of 16."""
     skip_without_tma()
     n, k = w.shape
-    x = cb.asarray(rnd(rng, 16, k), "act")
+    x = cb.asarray(rnd(rng, 64, k), "act")
     full = cp.empty((16, n), cp.float32)
-    sg.stream_gemm(x, w, full, cb.num_sms, cb.tuning)
+    sg.stream_gemm(x[:16], w, full, cb.num_sms, cb.tuning)
     for lo, hi in ((0, 1), (3, 4), (15, 16), (2, 9), (0, 5)):
         part = cp.empty((hi - lo, n), cp.float32)
         sg.stream_gemm(x[lo:hi], w, part, cb.num_sms, cb.tuning)
         assert cp.array_equal(part.view(cp.uint32), full[lo:hi].view(cp.uint32)), (lo, hi)
+    alone = cp.concatenate([cb.linear(x[i:i + 1], w, out_f32=True) for i in range(64)])
+    for rows in (16, 32, 64):
+        wide = CudaBackend(tuning=dataclasses.replace(cb.tuning, quantized_launch_rows=rows))
+        for lo, hi in ((0, 64), (0, 17), (5, 45), (20, 52)):
+            got = wide.linear(x[lo:hi], w, out_f32=True)
+            assert cp.array_equal(got.view(cp.uint32), alone[lo:hi].view(cp.uint32)), (rows, lo, hi)
 
 
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1000, 512)])
@@ -271,6 +283,29 @@ def check_row_slice(cb, rng, w, lo: int, hi: int) -> None:
         w[::2]
 
 
+def check_wide_swiglu(cb, rng, quantized, h: int) -> None:
+    """SwiGLU in the epilogue of a wide launch (17, 40 and 64 rows): against numpy on the dequantized weights, and
+    row by row with the bits of the rows alone."""
+    skip_without_tma()
+    nb = NumpyBackend()
+    inter = 1000
+    gate, up = quantized(rng, inter, h, h ** -0.5), quantized(rng, inter, h, h ** -0.5)
+    w_gu = cb.gate_up_weight(cb.load_quantized(gate), cb.load_quantized(up))
+    gu_ref = np.concatenate([dequantize(gate), dequantize(up)])
+    for m in (17, 40, 64):
+        xa = rnd(rng, m, h)
+        x = cb.asarray(xa, "act")
+        got = cb.swiglu(x, w_gu)
+        check(cb.to_numpy(got), nb.swiglu(xa, gu_ref), tol=1e-2)
+        for i in (0, m // 2, m - 1):
+            assert cp.array_equal(bits(cb.swiglu(x[i:i + 1], w_gu)), bits(got[i:i + 1])), (m, i)
+
+
+def test_fp8_wide_swiglu(cb, rng):
+    """check_wide_swiglu on FP8 weights."""
+    check_wide_swiglu(cb, rng, quantized, 1280)
+
+
 def test_a_row_slice_is_those_rows_of_the_weight(cb, rng):
     """check_row_slice on an Fp8Weight, its row map still pointing into the whole scale array (rows off the
     128-row grid)."""
@@ -289,6 +324,19 @@ def test_fp8_plans_fit_and_do_not_depend_on_rows():
             assert f8.smem(x_bytes) == sg.SMEM_BUDGET
             assert f8.fixed_bytes(f8.t, warps) + f8.stages * f8.stage_bytes(f8.t, x_bytes is not None, 8) + (
                 x_bytes or 0) <= sg.SMEM_BUDGET
+
+
+def test_wide_plans_fit():
+    """The wide launches' plans: row blocks of at most WIDE_MAX_T tiles, at least two ring stages, within
+    WIDE_SMEM_BUDGET (more than half an SM: one CTA per SM), for every synthetic shape and both quantized formats."""
+    for (n, k), (bits, nt) in itertools.product(((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288),
+                                                  (2560, 9728), (200, 512)), sg.WIDE_MAX_T):
+        if k % sg.stage_cols(bits):
+            continue
+        plan = sg.wide_plan(n, k, 132, bits, 8, nt)
+        assert plan.nt == nt and 1 <= plan.t <= sg.WIDE_MAX_T[bits, nt] and plan.stages >= 2
+        need = plan.fixed_bytes(plan.t, 8, nt) + plan.stages * plan.stage_bytes(plan.t, False, bits, nt)
+        assert sg.SMEM_BUDGET < plan.smem() == max(sg.SMEM_BUDGET, need) <= sg.WIDE_SMEM_BUDGET
 
 
 def test_random_fp8_has_the_requested_spread(cb):
