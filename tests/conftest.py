@@ -98,16 +98,21 @@ def golden_tau(goldens: list[dict]) -> float:
 
 
 def last_logits(llm, ids: list[int]) -> np.ndarray:
-    """The target's float32 logits after `ids` (one fresh forward; the sequence's blocks are freed after)."""
+    """The target's float32 logits after `ids` (one fresh forward; the sequence's blocks, and a hybrid target's
+    state slot, zeroed at allocation, are freed after). Every row rounds as a decode's would (no inexact rows)."""
     runner = llm.runner
     seq = Sequence(-1, list(ids), SamplingParams())
     runner.blocks.reserve(seq, len(ids))
+    if runner.hybrid:
+        runner.states.allocate(seq)
     try:
-        batch = runner.batch([seq], [list(ids)], [0])
-        hidden, _ = runner.target.forward(batch, runner.target_kv)
+        batch = runner.batch([seq], [list(ids)], [0])  # no prefill chunk: every row rounds as a decode's
+        hidden, _ = runner.target_forward(batch, with_taps=False, commit=True)
         return runner.backend.to_numpy(runner.logits(hidden, np.array([len(ids) - 1])))[0]
     finally:
         runner.blocks.free(seq)
+        if runner.hybrid:
+            runner.states.free(seq)
 
 
 def top2_relative_gap(logits: np.ndarray) -> float:

@@ -111,9 +111,14 @@ def test_tiny_pair_with_a_quantized_drafter_on_the_device(tiny_pair, fmt):
 def test_the_tiny_hybrid_pair_quantized_on_the_device(fmt):
     """The trained tiny hybrid pair with its target quantized at load and kept on the device (the attention layers'
     q_proj split and fused qkvg as row operations on the quantized weights): spec == AR with a real acceptance, and
-    the same tokens as the same model dequantized to bf16 on nearly every prompt."""
+    the target's logits against the numpy backend's over the same quantized weights (float32, exact dequantization)
+    within bf16 tolerance. Greedy tokens against the bf16-dequantized model are only printed: that model rounds every
+    weight once more, and two roundings of a trained model part at near-ties within 64 tokens on a third of the
+    prompts (22 of 32 agreed for FP8), which says nothing about either being wrong."""
     import json
     from pathlib import Path
+
+    from tests.conftest import last_logits
 
     pair = Path(__file__).resolve().parents[1] / "data" / "tiny-hybrid-pair"
     if not (pair / "target").is_dir():
@@ -125,10 +130,22 @@ def test_the_tiny_hybrid_pair_quantized_on_the_device(fmt):
     qkvg = next(layer.qkvg for layer in gpu.runner.target.layers if hasattr(layer, "qkvg"))
     assert type(qkvg).__name__ == {"fp8": "Fp8Weight", "nvfp4": "Fp4Weight"}[fmt]
     spec = gpu.generate(prompts, params)
-    ar = LLM(pair / "target", backend="cuda", quantize=fmt, tuning=tuning).generate(prompts, params)
+    ar_llm = LLM(pair / "target", backend="cuda", quantize=fmt, tuning=tuning)
+    ar = ar_llm.generate(prompts, params)
     same = sum(s.token_ids == a.token_ids for s, a in zip(spec, ar))
     assert same >= int(np.ceil(0.95 * len(prompts))), f"spec == AR on {same} of {len(prompts)} prompts"
     assert np.mean([np.mean(s.acceptance_lengths) for s in spec]) > 1.5
-    dense = LLM(pair / "target", backend="cuda", quantize=fmt).generate(prompts, params)  # dequantized at load
+    dense_llm = LLM(pair / "target", backend="cuda", quantize=fmt)  # dequantized at load, rounded to bf16
+    cpu = LLM(pair / "target", backend="cpu", quantize=fmt)
+    errors = {"on the device": [], "dequantized": []}
+    for prompt, out in zip(prompts[:4], ar):
+        ids = list(prompt) + out.token_ids[:16]
+        want = last_logits(cpu, ids)
+        for name, llm in (("on the device", ar_llm), ("dequantized", dense_llm)):
+            got = last_logits(llm, ids)
+            errors[name].append(float(np.linalg.norm(got - want) / np.linalg.norm(want)))
+    dense = dense_llm.generate(prompts, params)
     agree = sum(a.token_ids == d.token_ids for a, d in zip(ar, dense))
-    assert agree >= int(np.ceil(0.8 * len(prompts))), f"on the device == dequantized on {agree} of {len(prompts)}"
+    print(f"hybrid pair {fmt}: logits vs numpy " + ", ".join(f"{k} max {max(v):.2e}" for k, v in errors.items())
+          + f"; greedy on the device == dequantized on {agree}/{len(prompts)}")
+    assert max(errors["on the device"]) < 2e-2, errors
