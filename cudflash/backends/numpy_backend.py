@@ -156,8 +156,12 @@ class NumpyBackend:
             table = meta.block_tables[s, :nblk]
             keys = k_cache[table].reshape(-1, kv_heads, head_dim)[:ctx]  # [ctx, Hk, D]
             vals = v_cache[table].reshape(-1, kv_heads, head_dim)[:ctx]
-            qs = q[lo:hi].reshape(hi - lo, kv_heads, group, head_dim)
-            scores = np.einsum("qhgd,khd->hgqk", qs, keys) * np.float32(scale)  # [Hk, G, q, ctx]
+            n = hi - lo
+            # Batched matmuls over the kv heads (BLAS; np.einsum would loop without it), a group's query rows as the
+            # rows of one product.
+            qs = q[lo:hi].reshape(n, kv_heads, group, head_dim).transpose(1, 2, 0, 3)  # [Hk, G, q, D]
+            scores = qs.reshape(kv_heads, group * n, head_dim) @ keys.transpose(1, 2, 0)  # [Hk, G q, ctx]
+            scores = scores.reshape(kv_heads, group, n, ctx) * np.float32(scale)
             qpos = np.arange(ctx - (hi - lo), ctx)[:, None]
             kpos = np.arange(ctx)[None, :]
             hidden = np.zeros((hi - lo, ctx), dtype=bool)
@@ -174,7 +178,9 @@ class NumpyBackend:
             scores = np.where(hidden, np.float32(-np.inf), scores)
             scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
             probs = scores / scores.sum(axis=-1, keepdims=True)
-            out[lo:hi] = np.einsum("hgqk,khd->qhgd", probs, vals).reshape(hi - lo, q_heads, head_dim)
+            mixed = probs.reshape(kv_heads, group * n, ctx) @ vals.transpose(1, 0, 2)  # [Hk, G q, D]
+            out[lo:hi] = mixed.reshape(kv_heads, group, n, head_dim).transpose(2, 0, 1, 3).reshape(n, q_heads,
+                                                                                                 head_dim)
         return out.reshape(t, q_heads * head_dim)
 
     def copy_slots(self, cache: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
