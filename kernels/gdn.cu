@@ -31,6 +31,18 @@
 //   two shuffle steps add the four groups' sums, o = e^g S^T q + delta (k.q) equals S'^T q, and
 //   S' = e^g S + k delta^T. The order of every sum is fixed: a row's bits do not depend on how many rows the call
 //   runs (a verify row equals its decode). The chunked (prefill) op runs this kernel below cuda_gdn_chunk.MIN_ROWS.
+// gdn_mixer<K, DK, W>: the token-by-token mixer of a GDN layer in one kernel (decode, verify, and the commit after a
+//   verify): causal_conv1d of the head's q, k, v channels, gdn_recurrent, then gated_rms_norm, each with the same
+//   arithmetic in the same order as those kernels (so the same bits), without the float32 round trips and the two
+//   kernel boundaries between them. proj [T, C + HV DV + 2 HV] float32 (row stride sp): the in_proj rows, qkv (C =
+//   2 HK DK + HV DV) | z | b | a; conv_w [C, K] W; conv_states [S, C, K-1]; norm_w [DV] float32; out [T, HV DV]
+//   bf16, written only if `normed` (a commit needs no output). DV <= 8 MIX_WARPS, 2 DK + DV <= 32 MIX_WARPS.
+//   Grid (R, HK, n) in clusters of (R, 1, 1), R = HV / HK: CTA (r, hk, s) is value head h = hk R + r of sequence s,
+//   all its DV columns; warp w owns columns 8 w .. 8 w + 7 as gdn_recurrent's warps do, and thread i < 2 DK + DV
+//   convolves one channel (q of key head hk, its k, or v of head h) over the staged rows, its K-row window in
+//   registers across stages. The R CTAs of a cluster read the same q / k conv states: at commit rank 0 writes them,
+//   after a cluster barrier that each CTA arrives at once its windows are loaded (v channels and the recurrent
+//   state belong to one CTA alone).
 // gated_rms_norm<X, Z>: out[t, h D + i] = w[i] x[t, h D + i] rsqrt(mean_i x^2 + eps) silu(z[t, h D + i]); x, z
 //   [T, H D] X / Z with row strides sx, sz; w [D] float32; out [T, H D] bf16 contiguous. One warp per (row, head).
 // sigmoid_gate<X, G>: out = x sigmoid(gate); x, gate [T, W] with row strides; out [T, W] bf16. A thread per element.
@@ -42,6 +54,7 @@
 #define GDN_COLS 8  // state columns per warp (GDN_TILE / GDN_WARPS)
 #define GDN_ROWS 16  // rows staged in shared memory at a time (a multiple of GDN_WARPS)
 #define L2_EPS 1e-6f  // gdn_numpy.L2_EPS
+#define MIX_WARPS 16  // gdn_mixer: 128 state columns, 512 conv channels
 
 __device__ __forceinline__ float gdn_f(float v) { return v; }
 __device__ __forceinline__ float gdn_f(bf16 v) { return __bfloat162float(v); }
@@ -254,6 +267,199 @@ __global__ void __launch_bounds__(GDN_WARPS * 32) gdn_recurrent(
     if (commit && col) {
 #pragma unroll
         for (int i = 0; i < RPL; ++i) S[(long long)(grp * RPL + i) * DV + j] = st[i];
+    }
+}
+
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;" ::: "memory"); }
+
+// The bf16 of gated_rms_norm's row r of head h (lanes over the DV columns), from o in shared memory (nullptr: a row
+// of zeros, as numpy's outputs outside a span) and z in proj: the expression gated_rms_norm computes, in its order.
+__device__ __forceinline__ void mixer_norm_row(const float* o, const float* zr, const float* __restrict__ w,
+                                               bf16* orow, int DV, float eps, int lane) {
+    float ss = 0.f;
+    for (int i = lane; i < DV; i += 32) {
+        const float v = o ? o[i] : 0.f;
+        ss += v * v;
+    }
+    ss = warp_sum(ss);
+    const float rs = 1.f / sqrtf(ss / (float)DV + eps);
+    for (int i = lane; i < DV; i += 32) {
+        const float g = zr[i];
+        orow[i] = __float2bfloat16_rn(w[i] * ((o ? o[i] : 0.f) * rs) * (g * gdn_sigmoid(g)));
+    }
+}
+
+template <int K, int DK, typename W>
+__global__ void __launch_bounds__(MIX_WARPS * 32) gdn_mixer(
+        const float* __restrict__ proj, long long sp, const W* __restrict__ conv_w, float* __restrict__ conv_states,
+        const float* __restrict__ A_log, const float* __restrict__ dt_bias, float* __restrict__ states,
+        const float* __restrict__ norm_w, float eps, const int* __restrict__ slots, const int* __restrict__ cu,
+        const int* __restrict__ span, int spanned, bf16* __restrict__ out, int normed, int HK, int HV, int DV,
+        float qscale, int commit) {
+    constexpr int RPL = DK / 4;
+    constexpr int KROW = DK + 16;  // gdn_recurrent's staged q / k row: a lane group's RPL values padded by 4 floats
+    constexpr int EPL = (DK + 31) / 32;
+    static_assert(RPL % 4 == 0 && GDN_ROWS == MIX_WARPS, "a warp stages one row");
+    __shared__ __align__(16) float s_q[GDN_ROWS][KROW];  // conv output, then normalised q times qscale
+    __shared__ __align__(16) float s_k[GDN_ROWS][KROW];  // likewise k
+    __shared__ float s_v[GDN_ROWS][8 * MIX_WARPS];  // conv output of v
+    __shared__ float s_o[GDN_ROWS][8 * MIX_WARPS];  // the delta rule's o, the gated norm's input
+    __shared__ float s_decay[GDN_ROWS], s_beta[GDN_ROWS], s_kq[GDN_ROWS];
+    pdl_launch_dependents();
+    const int R = gridDim.x, rank = blockIdx.x, hk = blockIdx.y, s = blockIdx.z, h = hk * R + rank;
+    const int C = 2 * HK * DK + HV * DV;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int grp = lane >> 3, c = lane & 7, j = warp * GDN_COLS + c;  // as gdn_recurrent's lanes
+    // The thread's conv channel: q (ch < DK), k, or v (ch - 2 DK < DV) of this head; its column in proj and conv_w.
+    const int ch = tid, nch = 2 * DK + DV;
+    const bool conv_lane = ch < nch;
+    const int pcol = ch < DK ? hk * DK + ch : ch < 2 * DK ? (HK + hk) * DK + ch - DK : 2 * HK * DK + h * DV + ch - 2 * DK;
+    const bool qk_channel = ch < 2 * DK;
+    float wc[K];  // weights: read before the wait
+#pragma unroll
+    for (int q = 0; q < K; ++q) wc[q] = conv_lane ? gdn_f(conv_w[(long long)pcol * K + q]) : 0.f;
+    const float neg_a = -expf(A_log[h]), dtb = dt_bias[h];
+    pdl_wait();
+    const int slot = slots[s];
+    const int start = cu[s], seq_rows = cu[s + 1] - start;
+    const int first = spanned ? span[s] : 0, len = spanned ? span[gridDim.z + s] : seq_rows;
+    const int lo = start + first;
+    const long long out_stride = (long long)HV * DV;
+    const float* zcol = proj + C + (long long)h * DV;  // z of this head, row t at zcol + t sp
+    if (normed) {  // rows this sequence does not run (outside its span, or all of a padding sequence's): norm of zeros
+        for (int r = warp; r < seq_rows; r += MIX_WARPS)
+            if (slot < 0 || r < first || r >= first + len)
+                mixer_norm_row(nullptr, zcol + (start + r) * sp, norm_w, out + (start + r) * out_stride + h * DV, DV,
+                               eps, lane);
+    }
+    if (len <= 0 || slot < 0) return;  // uniform over the cluster (one sequence): no CTA waits at its barrier alone
+    const bool shared_writes = commit && R > 1;
+    float* cst = conv_states + ((long long)slot * C + pcol) * (K - 1);
+    float win[K];  // win[q] = xx[r + q]: the K-1 rows before the next one, then that row
+#pragma unroll
+    for (int q = 0; q < K - 1; ++q) win[q] = conv_lane ? cst[q] : 0.f;
+    if (shared_writes) cluster_arrive();  // this CTA has read the q / k conv states rank 0 may overwrite
+    float* S = states + ((long long)slot * HV + h) * DK * DV;
+    const bool col = j < DV;
+    float st[RPL];
+#pragma unroll
+    for (int i = 0; i < RPL; ++i) st[i] = col ? S[(long long)(grp * RPL + i) * DV + j] : 0.f;
+    for (int base = 0; base < len; base += GDN_ROWS) {
+        const int rows = min(GDN_ROWS, len - base);
+        if (base > 0) __syncthreads();  // every warp is done with the previous stage
+        // Loads of the stage, all in flight together: the channel's rows; the warp's row's a, b and z.
+        float xr[GDN_ROWS];
+#pragma unroll
+        for (int i = 0; i < GDN_ROWS; ++i) xr[i] = conv_lane && i < rows ? proj[(lo + base + i) * sp + pcol] : 0.f;
+        const bool live = warp < rows;
+        const long long t = lo + base + (live ? warp : 0);
+        const float av = live ? proj[t * sp + C + HV * DV + HV + h] : 0.f;
+        const float bv = live ? proj[t * sp + C + HV * DV + h] : 0.f;
+        // The conv (causal_conv1d's sum and SiLU) of the stage's rows.
+#pragma unroll
+        for (int i = 0; i < GDN_ROWS; ++i) {
+            if (i >= rows) break;
+            win[K - 1] = xr[i];
+            float acc = 0.f;
+#pragma unroll
+            for (int q = 0; q < K; ++q) acc += wc[q] * win[q];
+            const float y = acc * gdn_sigmoid(acc);
+            if (conv_lane) {
+                if (ch < DK) s_q[i][ch + (ch / RPL) * 4] = y;
+                else if (qk_channel) s_k[i][ch - DK + ((ch - DK) / RPL) * 4] = y;
+                else s_v[i][ch - 2 * DK] = y;
+            }
+#pragma unroll
+            for (int q = 0; q < K - 1; ++q) win[q] = win[q + 1];
+        }
+        __syncthreads();
+        // gdn_recurrent's staging of row `warp`: L2 norms, k . q, the decay and beta.
+        if (live) {
+            float qv[EPL], kv[EPL];
+#pragma unroll
+            for (int m = 0; m < EPL; ++m) {
+                const int i = lane + 32 * m;
+                qv[m] = i < DK ? s_q[warp][i + (i / RPL) * 4] : 0.f;
+                kv[m] = i < DK ? s_k[warp][i + (i / RPL) * 4] : 0.f;
+            }
+            float qq = 0.f, kk = 0.f, qk = 0.f;
+#pragma unroll
+            for (int m = 0; m < EPL; ++m) {
+                qq += qv[m] * qv[m];
+                kk += kv[m] * kv[m];
+                qk += qv[m] * kv[m];
+            }
+            qq = warp_sum(qq);
+            kk = warp_sum(kk);
+            qk = warp_sum(qk);
+            const float rq = 1.f / sqrtf(qq + L2_EPS), rk = 1.f / sqrtf(kk + L2_EPS);
+#pragma unroll
+            for (int m = 0; m < EPL; ++m) {
+                const int i = lane + 32 * m;
+                if (i < DK) {
+                    s_q[warp][i + (i / RPL) * 4] = qv[m] * rq * qscale;
+                    s_k[warp][i + (i / RPL) * 4] = kv[m] * rk;
+                }
+            }
+            if (lane == 0) {
+                const float x = av + dtb;
+                const float softplus = x > 20.f ? x : log1pf(expf(x));
+                s_decay[warp] = expf(neg_a * softplus);
+                s_beta[warp] = gdn_sigmoid(bv);
+                s_kq[warp] = qk * rq * rk * qscale;
+            }
+        }
+        __syncthreads();
+        // gdn_recurrent's token loop, o into shared memory.
+        const int kbase = grp * (RPL + 4);
+        for (int r = 0; r < rows; ++r) {
+            const float decay = s_decay[r], beta = s_beta[r], kq = s_kq[r];
+            const float v = col ? s_v[r][j] : 0.f;
+            const float4* kr = reinterpret_cast<const float4*>(&s_k[r][kbase]);
+            const float4* qr = reinterpret_cast<const float4*>(&s_q[r][kbase]);
+            float pk[4] = {0.f, 0.f, 0.f, 0.f}, pq[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int m = 0; m < RPL / 4; ++m) {
+                const float4 k4 = kr[m], q4 = qr[m];
+                pk[0] += st[4 * m] * k4.x, pk[1] += st[4 * m + 1] * k4.y;
+                pk[2] += st[4 * m + 2] * k4.z, pk[3] += st[4 * m + 3] * k4.w;
+                pq[0] += st[4 * m] * q4.x, pq[1] += st[4 * m + 1] * q4.y;
+                pq[2] += st[4 * m + 2] * q4.z, pq[3] += st[4 * m + 3] * q4.w;
+            }
+            float sk = (pk[0] + pk[1]) + (pk[2] + pk[3]), sq_ = (pq[0] + pq[1]) + (pq[2] + pq[3]);
+            sk += __shfl_xor_sync(0xffffffffu, sk, 8);
+            sq_ += __shfl_xor_sync(0xffffffffu, sq_, 8);
+            sk += __shfl_xor_sync(0xffffffffu, sk, 16);
+            sq_ += __shfl_xor_sync(0xffffffffu, sq_, 16);
+            const float delta = (v - decay * sk) * beta;
+            if (grp == 0 && col) s_o[r][j] = decay * sq_ + delta * kq;
+#pragma unroll
+            for (int m = 0; m < RPL / 4; ++m) {
+                const float4 k4 = kr[m];
+                st[4 * m] = st[4 * m] * decay + k4.x * delta;
+                st[4 * m + 1] = st[4 * m + 1] * decay + k4.y * delta;
+                st[4 * m + 2] = st[4 * m + 2] * decay + k4.z * delta;
+                st[4 * m + 3] = st[4 * m + 3] * decay + k4.w * delta;
+            }
+        }
+        if (normed) {
+            __syncthreads();  // the stage's o is complete
+            if (live)
+                mixer_norm_row(s_o[warp], zcol + t * sp, norm_w, out + t * out_stride + h * DV, DV, eps, lane);
+        }
+    }
+    if (commit) {
+        if (col) {
+#pragma unroll
+            for (int i = 0; i < RPL; ++i) S[(long long)(grp * RPL + i) * DV + j] = st[i];
+        }
+        // The new conv state: the window's K-1 rows after the last one run (causal_conv1d's `next`).
+        if (shared_writes) cluster_wait();  // every CTA of the cluster has read the old q / k states
+        if (conv_lane && (!qk_channel || rank == 0)) {
+#pragma unroll
+            for (int q = 0; q < K - 1; ++q) cst[q] = win[q];
+        }
     }
 }
 

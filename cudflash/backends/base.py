@@ -162,7 +162,26 @@ class Backend(Protocol):
                       meta: AttentionMeta, commit: bool, span: Any | None = None) -> Any: ...
     # RMSNorm over each head_dim group of x [T, heads * head_dim], times weight [head_dim] (float32), times silu(z).
     def gated_rms_norm(self, x: Any, z: Any, weight: Any, eps: float, head_dim: int) -> Any: ...
+    # The token-by-token mixer of a GDN layer on its in_proj rows proj [T, C + Hv dv + 2 Hv] (qkv | z | b | a, C =
+    # 2 Hk dk + Hv dv): causal_conv1d of qkv, gdn_recurrent with a and b, then gated_rms_norm with z and norm_weight
+    # [dv]; returns that norm (out_proj's input, [T, Hv dv]), or None if not `normed` (a commit). Its definition is
+    # gdn_mixer_in_steps; a backend may compute it in one pass.
+    def gdn_recurrent_mixer(self, proj: Any, conv_weight: Any, conv_states: Any, A_log: Any, dt_bias: Any,
+                            states: Any, norm_weight: Any, eps: float, slots: Any, meta: AttentionMeta, commit: bool,
+                            span: Any | None = None, normed: bool = True) -> Any | None: ...
     def sigmoid_gate(self, x: Any, gate: Any) -> Any: ...  # x * sigmoid(gate), both [T, W]
+
+
+def gdn_mixer_in_steps(b: Backend, proj: Any, conv_weight: Any, conv_states: Any, A_log: Any, dt_bias: Any,
+                       states: Any, norm_weight: Any, eps: float, slots: Any, meta: AttentionMeta, commit: bool,
+                       span: Any | None = None, normed: bool = True) -> Any | None:
+    """Backend.gdn_recurrent_mixer as the three ops it stands for."""
+    c, hv, dv = conv_weight.shape[0], states.shape[1], states.shape[3]
+    vd = hv * dv
+    qkv = b.causal_conv1d(proj[:, :c], conv_weight, conv_states, slots, meta, commit, span)
+    o = b.gdn_recurrent(qkv, proj[:, c + vd + hv: c + vd + 2 * hv], proj[:, c + vd: c + vd + hv], A_log, dt_bias,
+                        states, slots, meta, commit, span)
+    return b.gated_rms_norm(o, proj[:, c: c + vd], norm_weight, eps, dv) if normed else None
 
 
 def refuse_deferred(cls: type) -> type:

@@ -19,7 +19,7 @@ import numpy as np
 
 from cudflash.backends import (cublaslt, cuda_gdn, cuda_gdn_chunk, fp4_weight, fp8_weight, kernel_loader, stream_gemm,
                                w8a8)
-from cudflash.backends.base import AttentionMeta, DeferredNorm
+from cudflash.backends.base import AttentionMeta, DeferredNorm, gdn_mixer_in_steps
 from cudflash.backends.cublas import Cublas
 from cudflash.backends.cublaslt import CublasLt
 from cudflash.backends.cuda_attention import attention as _attention
@@ -755,6 +755,15 @@ class CudaBackend:
     def gated_rms_norm(self, x: cupy.ndarray, z: cupy.ndarray, weight: cupy.ndarray, eps: float,
                        head_dim: int) -> cupy.ndarray:
         return cuda_gdn.gated_rms_norm(x, z, weight, eps, head_dim, self.tuning)
+
+    def gdn_recurrent_mixer(self, proj: cupy.ndarray, conv_weight: cupy.ndarray, conv_states: cupy.ndarray,
+                            A_log: cupy.ndarray, dt_bias: cupy.ndarray, states: cupy.ndarray,
+                            norm_weight: cupy.ndarray, eps: float, slots: Any, meta: AttentionMeta, commit: bool,
+                            span: cupy.ndarray | None = None, normed: bool = True) -> cupy.ndarray | None:
+        args = (proj, conv_weight, conv_states, A_log, dt_bias, states, norm_weight, eps, slots, meta, commit)
+        if self.tuning.gdn_fused_mixer and cuda_gdn.mixer_fits(proj, conv_weight, states):
+            return cuda_gdn.gdn_mixer(*args, normed, self.tuning, span)
+        return gdn_mixer_in_steps(self, *args, span, normed)
 
     def sigmoid_gate(self, x: cupy.ndarray, gate: cupy.ndarray) -> cupy.ndarray:
         return cuda_gdn.sigmoid_gate(x, gate, self.tuning)

@@ -24,9 +24,13 @@ GDN_TILE = 32  # GDN_TILE: state columns per CTA
 GDN_THREADS = 128  # GDN_WARPS x 32
 CONV_TAPS = (2, 3, 4)  # conv kernel sizes compiled
 KEY_DIMS = (16, 32, 48, 64, 128, 256)  # dk compiled (multiples of 16: gdn_recurrent reads a lane group's rows as float4)
+MIX_THREADS = 512  # MIX_WARPS x 32: gdn_mixer's CTA, one value head of at most 128 columns and 512 conv channels
+MIX_KEY_DIMS = (16, 32, 48, 64, 128)  # dk of gdn_mixer (a lane's 256 / 4 state rows would not fit 512 threads' registers)
+MAX_CLUSTER = 8  # value heads per key head gdn_mixer takes in one cluster (the portable cluster size)
 _TYPES = ("bf16", "float")
 NAMES = (tuple(f"causal_conv1d<{k}, {x}, {w}>" for k in CONV_TAPS for x in _TYPES for w in _TYPES)
          + tuple(f"gdn_recurrent<{d}>" for d in KEY_DIMS)
+         + tuple(f"gdn_mixer<{k}, {d}, {w}>" for k in CONV_TAPS for d in MIX_KEY_DIMS for w in _TYPES)
          + tuple(f"gated_rms_norm<{x}, {z}>" for x in _TYPES for z in _TYPES)
          + tuple(f"sigmoid_gate<{x}, {g}>" for x in _TYPES for g in _TYPES))
 
@@ -154,6 +158,63 @@ def gated_delta_rule(qkv: cupy.ndarray, a: cupy.ndarray, b: cupy.ndarray, A_log:
             (qkv, i64(sq), a, i64(sa), b, i64(sb), A_log, dt_bias, states, slots, cu, span, spanned, out, i32(hk),
              i32(hv), i32(dv), f32(float(np.float32(dk ** -0.5))), i32(int(commit))))
     return out
+
+
+def mixer_fits(proj: cupy.ndarray, conv_weight: cupy.ndarray, states: cupy.ndarray) -> bool:
+    """Whether gdn_mixer takes these shapes: float32 in_proj rows, the compiled conv taps and key dims, a value head
+    of at most 128 columns, its channels (2 dk + dv) within the CTA's threads, at most MAX_CLUSTER value heads per
+    key head. Other shapes run the three kernels it fuses."""
+    if states.ndim != 4 or conv_weight.ndim != 2 or proj.ndim != 2 or proj.dtype != cupy.float32:
+        return False
+    _, hv, dk, dv = states.shape
+    c = conv_weight.shape[0]
+    hk = (c - hv * dv) // (2 * dk) if dk else 0
+    return (conv_weight.shape[1] in CONV_TAPS and dk in MIX_KEY_DIMS and 0 < dv <= 128
+            and 2 * dk + dv <= MIX_THREADS and hk > 0 and c == 2 * hk * dk + hv * dv and hv % hk == 0
+            and hv // hk <= MAX_CLUSTER and proj.shape[1] == c + hv * dv + 2 * hv)
+
+
+def gdn_mixer(proj: cupy.ndarray, conv_weight: cupy.ndarray, conv_states: cupy.ndarray, A_log: cupy.ndarray,
+              dt_bias: cupy.ndarray, states: cupy.ndarray, norm_weight: cupy.ndarray, eps: float, slots,
+              meta: AttentionMeta, commit: bool, normed: bool, tuning: CudaTuning,
+              span: cupy.ndarray | None = None) -> cupy.ndarray | None:
+    """base.Backend.gdn_recurrent_mixer in one kernel (mixer_fits says where): proj [T, C + Hv dv + 2 Hv] float32;
+    returns the gated norm bf16 [T, Hv dv] (None if not `normed`), the same bits as causal_conv1d, gated_delta_rule
+    and gated_rms_norm in turn."""
+    _pool(states, 4, "gdn mixer")
+    _pool(conv_states, 3, "gdn mixer conv")
+    _, hv, dk, dv = states.shape
+    c, taps = conv_weight.shape
+    hk = (c - hv * dv) // (2 * dk)
+    if conv_states.shape[1:] != (c, taps - 1):
+        raise BackendError(f"cuda gdn mixer: conv states {conv_states.shape} for a conv weight {conv_weight.shape}")
+    proj, sp = _rows(proj, "gdn mixer proj", float_only=True)
+    conv_weight, _ = _rows(conv_weight, "gdn mixer conv weight")
+    if not conv_weight.flags.c_contiguous:
+        conv_weight = cupy.ascontiguousarray(conv_weight)
+    A_log = cupy.ascontiguousarray(A_log, dtype=cupy.float32)
+    dt_bias = cupy.ascontiguousarray(dt_bias, dtype=cupy.float32)
+    norm_weight = cupy.ascontiguousarray(norm_weight if norm_weight.dtype == cupy.float32 else _f32_bits(norm_weight))
+    if A_log.shape != (hv,) or dt_bias.shape != (hv,) or norm_weight.shape != (dv,):
+        raise BackendError(f"cuda gdn mixer: A_log {A_log.shape}, dt_bias {dt_bias.shape}, norm {norm_weight.shape} "
+                           f"for {hv} value heads of {dv}")
+    slots, cu, n, _, covered = _sequences(slots, meta)
+    span, spanned = _span(span, slots, n)
+    t = proj.shape[0]
+    if covered > t:
+        raise BackendError(f"cuda gdn mixer: the sequences cover {covered} rows of an input of {t}")
+    # Every sequence's rows are written; rows past the last sequence are zeros (numpy's norm of o = 0 there).
+    shape = (t, hv * dv) if normed else (1, 1)  # (a placeholder the kernel does not write)
+    out = cupy.empty(shape, dtype=act_dtype()) if covered == t or not normed else cupy.zeros(shape, act_dtype())
+    if t and n:
+        r = hv // hk
+        _kernel(f"gdn_mixer<{taps}, {dk}, {_ctype(conv_weight)}>", tuning)(
+            (r, hk, n), (MIX_THREADS,),
+            (proj, i64(sp), conv_weight, conv_states, A_log, dt_bias, states, norm_weight, f32(eps), slots, cu, span,
+             spanned, out, i32(int(normed)), i32(hk), i32(hv), i32(dv), f32(float(np.float32(dk ** -0.5))),
+             i32(int(commit))),
+            cluster=(r, 1, 1) if r > 1 else None)
+    return out if normed else None
 
 
 def gated_rms_norm(x: cupy.ndarray, z: cupy.ndarray, weight: cupy.ndarray, eps: float, head_dim: int,

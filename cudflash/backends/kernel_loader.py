@@ -53,10 +53,13 @@ class Kernel:
             self.raw.max_dynamic_shared_size_bytes = nbytes
             self._shared = nbytes
 
-    def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0) -> None:
+    def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0,
+                 cluster: tuple[int, int, int] | None = None) -> None:
+        """cluster: the CTAs of a thread block cluster (x, y, z dividing the grid's), which only cuLaunchKernelEx
+        can ask for: such a launch always goes through pdl.launch, programmatic or not."""
         stream = cupy.cuda.get_current_stream()
-        if self.programmatic(stream):
-            pdl.launch(self.raw, grid, block, args, shared_mem, stream)
+        if self.programmatic(stream) or cluster is not None:
+            pdl.launch(self.raw, grid, block, args, shared_mem, stream, self.programmatic(stream), cluster)
         else:
             self.raw(grid, block, args, shared_mem=shared_mem)
 

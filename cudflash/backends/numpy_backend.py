@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager, nullcontext
 import numpy as np
 
 from cudflash.backends import gdn_numpy
-from cudflash.backends.base import AttentionMeta, DeferredNorm, refuse_deferred
+from cudflash.backends.base import AttentionMeta, DeferredNorm, gdn_mixer_in_steps, refuse_deferred
 from cudflash.checkpoint import bf16_bits_to_float32
 from cudflash.quant.weight import QuantizedWeight, dequantize
 
@@ -263,6 +263,12 @@ class NumpyBackend:
     def gated_rms_norm(self, x: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float,
                        head_dim: int) -> np.ndarray:
         return gdn_numpy.gated_rms_norm(x, z, weight, eps, head_dim)
+
+    def gdn_recurrent_mixer(self, proj, conv_weight, conv_states, A_log, dt_bias, states, norm_weight, eps: float,
+                            slots, meta: AttentionMeta, commit: bool, span: np.ndarray | None = None,
+                            normed: bool = True) -> np.ndarray | None:
+        return gdn_mixer_in_steps(self, proj, conv_weight, conv_states, A_log, dt_bias, states, norm_weight, eps,
+                                  slots, meta, commit, span, normed)
 
     def sigmoid_gate(self, x: np.ndarray, gate: np.ndarray) -> np.ndarray:
         return x * (np.float32(1.0) / (np.float32(1.0) + np.exp(-gate)))

@@ -22,7 +22,8 @@ import numpy as np
 
 from cudflash.errors import BackendError
 
-_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+_CLUSTER_DIMENSION = 4  # CUlaunchAttributeID
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, pad to 8 bytes, a 64-byte value union
@@ -75,17 +76,28 @@ def _ctype(arg: object) -> ctypes._SimpleCData | ctypes.Structure:
 
 
 def launch(kernel: cupy.RawKernel, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int,
-           stream: cupy.cuda.Stream, programmatic: bool = True) -> None:
+           stream: cupy.cuda.Stream, programmatic: bool = True, cluster: tuple[int, int, int] | None = None) -> None:
     """kernel<<<grid, block, shared_mem, stream>>>(*args), allowed to overlap the previous kernel's tail if
-    `programmatic` (else a plain launch, for arguments CuPy cannot pass: structures by value)."""
+    `programmatic` (else a plain launch, for arguments CuPy cannot pass: structures by value), in thread block
+    clusters of `cluster` CTAs (x, y, z) if given."""
+    if _driver() is None:
+        raise BackendError("cuLaunchKernelEx is not available (a driver older than CUDA 12, or a GPU before Hopper)")
     launch_ex, error_name = _driver()
     values = [_ctype(a) for a in args]  # alive until the call returns; the driver copies them
     params = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
-    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-    attr.value[0] = 1  # programmaticStreamSerializationAllowed
+    attrs = (_LaunchAttribute * 2)()
+    n = 0
+    if programmatic:
+        attrs[n].id = _PROGRAMMATIC_STREAM_SERIALIZATION
+        attrs[n].value[0] = 1  # programmaticStreamSerializationAllowed
+        n += 1
+    if cluster is not None:
+        attrs[n].id = _CLUSTER_DIMENSION
+        attrs[n].value[0], attrs[n].value[1], attrs[n].value[2] = cluster
+        n += 1
     g, b = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
     config = _LaunchConfig((ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b), shared_mem, stream.ptr,
-                           ctypes.pointer(attr), 1 if programmatic else 0)
+                           ctypes.cast(attrs, ctypes.POINTER(_LaunchAttribute)), n)
     status = launch_ex(ctypes.byref(config), kernel.kernel.ptr, params, None)
     if status != 0:
         text = ctypes.c_char_p()

@@ -62,6 +62,9 @@ class CudaTuning:
     # GEMM: 1.45x the prefill of 2048 tokens (BENCHMARKS.md, session 20). It rounds x to FP8, which only rows
     # compared with no decode may do.
     fp8_w8a8: bool = True
+    # A GDN layer's token-by-token mixer (decode, verify, commit) as one kernel (gdn.cu's gdn_mixer: conv, delta rule
+    # and gated norm, the same bits) instead of the three. Off: the three kernels, for an A/B.
+    gdn_fused_mixer: bool = True
     # A folder to compile the CUDA sources from instead of the package's: an A/B of kernel code in one checkout.
     kernel_dir: str | None = None
     # Extra NVRTC options for every module, e.g. -lineinfo, or the step timeline's -DCF_TRACE

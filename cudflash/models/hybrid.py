@@ -276,32 +276,31 @@ class HybridTargetModel:
 
     def _gdn_mixer(self, layer: GDNLayer, proj: Any, cache: HybridCache, j: int, use: StateUse, meta: Any) -> Any:
         """GDN layer j's token mixer on its in_proj rows: conv, the delta rule, the gated norm (before out_proj).
-        The chunked and the token-by-token sequences go through separate calls of each op (disjoint slots, the
-        other sequences' slots -1), whose rows are then put together: the op signatures stay per-call."""
-        b, h = self.b, self.h
-        C, vd, hv = h.conv_dim, h.value_dim, h.linear_num_value_heads
+        The chunked and the token-by-token sequences go through separate calls (disjoint slots, the other
+        sequences' slots -1), whose rows are then put together: the op signatures stay per-call."""
+        b, h, eps = self.b, self.h, self.cfg.rms_norm_eps
+        C, vd = h.conv_dim, h.value_dim
         parts = []
-        for slots, gdn, commit, rows in ((use.chunked_slots, b.gdn_chunked, True, slice(0, use.split)),
-                                         (use.recurrent_slots, b.gdn_recurrent, use.commit_recurrent,
-                                          slice(use.split, None))):
-            if slots is None:
-                continue
-            o = self._delta_rule(layer, proj, cache, j, slots, meta, gdn, commit)
-            both = use.chunked_slots is not None and use.recurrent_slots is not None
-            parts.append(o[rows] if both else o)
-        o = parts[0] if len(parts) == 1 else b.cat(parts, axis=0)
-        return b.gated_rms_norm(o, proj[:, C: C + vd], layer.norm, self.cfg.rms_norm_eps, h.linear_value_head_dim)
+        if use.chunked_slots is not None:
+            o = self._chunked_delta_rule(layer, proj, cache, j, use.chunked_slots, meta)
+            parts.append(b.gated_rms_norm(o, proj[:, C: C + vd], layer.norm, eps, h.linear_value_head_dim))
+        if use.recurrent_slots is not None:
+            parts.append(b.gdn_recurrent_mixer(proj, layer.conv, cache.conv[j], layer.A_log, layer.dt_bias,
+                                               cache.states[j], layer.norm, eps, use.recurrent_slots, meta,
+                                               use.commit_recurrent))
+        if len(parts) == 1:
+            return parts[0]
+        return b.cat([parts[0][:use.split], parts[1][use.split:]], axis=0)
 
-    def _delta_rule(self, layer: GDNLayer, proj: Any, cache: HybridCache, j: int, slots: Any, meta: Any, gdn: Any,
-                    commit: bool, span: Any | None = None) -> Any:
-        """conv + the gated delta rule of GDN layer j for the sequences with a slot in `slots` (over their rows in
-        `span` only, if given: gdn_recurrent's): o [T, Hv dv]."""
+    def _chunked_delta_rule(self, layer: GDNLayer, proj: Any, cache: HybridCache, j: int, slots: Any,
+                            meta: Any) -> Any:
+        """conv + the chunked gated delta rule of GDN layer j for the sequences with a slot in `slots` (prefill
+        chunks: they commit): o [T, Hv dv]."""
         h = self.h
         C, vd, hv = h.conv_dim, h.value_dim, h.linear_num_value_heads
-        spanned = {} if span is None else {"span": span}  # gdn_chunked takes no span: only a commit passes one
-        qkv = self.b.causal_conv1d(proj[:, :C], layer.conv, cache.conv[j], slots, meta, commit, **spanned)
-        return gdn(qkv, proj[:, C + vd + hv:], proj[:, C + vd: C + vd + hv], layer.A_log, layer.dt_bias,
-                   cache.states[j], slots, meta, commit, **spanned)
+        qkv = self.b.causal_conv1d(proj[:, :C], layer.conv, cache.conv[j], slots, meta, True)
+        return self.b.gdn_chunked(qkv, proj[:, C + vd + hv:], proj[:, C + vd: C + vd + hv], layer.A_log,
+                                  layer.dt_bias, cache.states[j], slots, meta, True)
 
     def commit(self, tape: GDNTape, cache: HybridCache, state_slots: Any, accepted: list[int],
                done: list[int] | None = None) -> None:
@@ -320,7 +319,9 @@ class HybridTargetModel:
         and replays it with new counts. A count of 0 leaves that sequence's state as it is."""
         gdn_layers = [layer for layer in self.layers if isinstance(layer, GDNLayer)]
         for j, (layer, proj) in enumerate(zip(gdn_layers, tape.rows)):
-            self._delta_rule(layer, proj, cache, j, state_slots, tape.meta, self.b.gdn_recurrent, True, span)
+            self.b.gdn_recurrent_mixer(proj, layer.conv, cache.conv[j], layer.A_log, layer.dt_bias, cache.states[j],
+                                       layer.norm, self.cfg.rms_norm_eps, state_slots, tape.meta, True, span,
+                                       normed=False)
 
     def logits(self, hidden: Any) -> Any:
         return self.b.linear(hidden, self.lm_head, out_f32=True)  # float32 logits: no bf16 ties at argmax
