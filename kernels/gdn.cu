@@ -61,6 +61,105 @@ __device__ __forceinline__ float gdn_f(bf16 v) { return __bfloat162float(v); }
 // The numpy definitions' sigmoid, 1 / (1 + e^-x), with an IEEE division.
 __device__ __forceinline__ float gdn_sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
 
+// The pieces gdn_mixer shares with the three kernels it fuses, so that both compute the same bits.
+// One conv row: win[K-1] = x, silu(sum_j w[j] win[j]), then the window moves on by a row.
+template <int K>
+__device__ __forceinline__ float conv_row(const float (&wc)[K], float (&win)[K], float x) {
+    win[K - 1] = x;
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < K; ++j) acc += wc[j] * win[j];
+#pragma unroll
+    for (int j = 0; j < K - 1; ++j) win[j] = win[j + 1];
+    return acc * gdn_sigmoid(acc);
+}
+
+// The staging of one row by its warp (lane l holds q, k elements l + 32 m): q, k L2-normalised (q times qscale)
+// into the padded shared rows sq, sk (element i at i + 4 (i / RPL)); lane 0 writes e^g, beta and k . q.
+template <int DK>
+__device__ __forceinline__ void stage_row(const float (&qv)[(DK + 31) / 32], const float (&kv)[(DK + 31) / 32],
+                                          float a, float b, float neg_a, float dtb, float qscale, float* sq,
+                                          float* sk, float* decay, float* beta, float* kq, int lane) {
+    constexpr int RPL = DK / 4, EPL = (DK + 31) / 32;
+    float qq = 0.f, kk = 0.f, qk = 0.f;
+#pragma unroll
+    for (int m = 0; m < EPL; ++m) {
+        qq += qv[m] * qv[m];
+        kk += kv[m] * kv[m];
+        qk += qv[m] * kv[m];
+    }
+    qq = warp_sum(qq);
+    kk = warp_sum(kk);
+    qk = warp_sum(qk);
+    const float rq = 1.f / sqrtf(qq + L2_EPS), rk = 1.f / sqrtf(kk + L2_EPS);
+#pragma unroll
+    for (int m = 0; m < EPL; ++m) {
+        const int i = lane + 32 * m;
+        if (i < DK) {
+            sq[i + (i / RPL) * 4] = qv[m] * rq * qscale;
+            sk[i + (i / RPL) * 4] = kv[m] * rk;
+        }
+    }
+    if (lane == 0) {
+        const float x = a + dtb;
+        const float softplus = x > 20.f ? x : log1pf(expf(x));
+        *decay = expf(neg_a * softplus);
+        *beta = gdn_sigmoid(b);
+        *kq = qk * rq * rk * qscale;
+    }
+}
+
+// One token of the delta rule for a lane's RPL state rows st of one column (rows of its lane group at kr, qr in a
+// staged row): S^T k and S^T q (four chains of RPL / 4 FMAs, then across the 4 lane groups: a + b == b + a, so the
+// four lanes of a column agree exactly), delta = beta (v - e^g S^T k), S' = e^g S + k delta^T; returns
+// o = e^g S^T q + delta (k . q) (= S'^T q).
+template <int RPL>
+__device__ __forceinline__ float delta_rule_token(float (&st)[RPL], const float4* kr, const float4* qr, float v,
+                                                  float decay, float beta, float kq) {
+    float pk[4] = {0.f, 0.f, 0.f, 0.f}, pq[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int m = 0; m < RPL / 4; ++m) {
+        const float4 k4 = kr[m], q4 = qr[m];
+        pk[0] += st[4 * m] * k4.x, pk[1] += st[4 * m + 1] * k4.y;
+        pk[2] += st[4 * m + 2] * k4.z, pk[3] += st[4 * m + 3] * k4.w;
+        pq[0] += st[4 * m] * q4.x, pq[1] += st[4 * m + 1] * q4.y;
+        pq[2] += st[4 * m + 2] * q4.z, pq[3] += st[4 * m + 3] * q4.w;
+    }
+    float sk = (pk[0] + pk[1]) + (pk[2] + pk[3]), sq = (pq[0] + pq[1]) + (pq[2] + pq[3]);
+    sk += __shfl_xor_sync(0xffffffffu, sk, 8);
+    sq += __shfl_xor_sync(0xffffffffu, sq, 8);
+    sk += __shfl_xor_sync(0xffffffffu, sk, 16);
+    sq += __shfl_xor_sync(0xffffffffu, sq, 16);
+    const float delta = (v - decay * sk) * beta;
+#pragma unroll
+    for (int m = 0; m < RPL / 4; ++m) {
+        const float4 k4 = kr[m];
+        st[4 * m] = st[4 * m] * decay + k4.x * delta;
+        st[4 * m + 1] = st[4 * m + 1] * decay + k4.y * delta;
+        st[4 * m + 2] = st[4 * m + 2] * decay + k4.z * delta;
+        st[4 * m + 3] = st[4 * m + 3] * decay + k4.w * delta;
+    }
+    return decay * sq + delta * kq;
+}
+
+// The gated RMSNorm of one head of one row, by a warp (lanes over its D columns): x (nullptr: zeros, the rows numpy
+// leaves 0), z, the weight w.
+template <typename X, typename Z>
+__device__ __forceinline__ void gated_norm_row(const X* xr, const Z* zr, const float* __restrict__ w, bf16* orow,
+                                               int D, float eps, int lane) {
+    float ss = 0.f;
+    for (int i = lane; i < D; i += 32) {
+        const float v = xr ? gdn_f(xr[i]) : 0.f;
+        ss += v * v;
+    }
+    ss = warp_sum(ss);
+    const float rs = 1.f / sqrtf(ss / (float)D + eps);
+    for (int i = lane; i < D; i += 32) {
+        const float g = gdn_f(zr[i]);
+        orow[i] = __float2bfloat16_rn(w[i] * ((xr ? gdn_f(xr[i]) : 0.f) * rs) * (g * gdn_sigmoid(g)));
+    }
+}
+
 template <int K, typename X, typename W>
 __global__ void __launch_bounds__(128) causal_conv1d(const X* __restrict__ x, long long sx, const W* __restrict__ w,
                                                      float* __restrict__ states, const int* __restrict__ slots,
@@ -103,13 +202,7 @@ __global__ void __launch_bounds__(128) causal_conv1d(const X* __restrict__ x, lo
 #pragma unroll
     for (int i = 0; i < CONV_ROWS; ++i) {
         if (r0 + i >= r1) break;
-        win[K - 1] = xr[i];
-        float acc = 0.f;
-#pragma unroll
-        for (int j = 0; j < K; ++j) acc += wc[j] * win[j];
-        out[(long long)(lo + r0 + i) * C + c] = acc * gdn_sigmoid(acc);
-#pragma unroll
-        for (int j = 0; j < K - 1; ++j) win[j] = win[j + 1];
+        out[(long long)(lo + r0 + i) * C + c] = conv_row(wc, win, xr[i]);
     }
     if (commit && blockIdx.y == 0) {
         // The new state m = xx[len + m]: input row len + m - (K-1), or old state entry len + m for a short sequence.
@@ -198,70 +291,19 @@ __global__ void __launch_bounds__(GDN_WARPS * 32) gdn_recurrent(
 #pragma unroll
         for (int u = 0; u < SPW; ++u) {
             const int r = warp * SPW + u;
-            float qq = 0.f, kk = 0.f, qk = 0.f;
-#pragma unroll
-            for (int m = 0; m < EPL; ++m) {
-                qq += qv[u][m] * qv[u][m];
-                kk += kv[u][m] * kv[u][m];
-                qk += qv[u][m] * kv[u][m];
-            }
-            qq = warp_sum(qq);
-            kk = warp_sum(kk);
-            qk = warp_sum(qk);
             if (r >= rows) continue;  // uniform over the warp
-            const float rq = 1.f / sqrtf(qq + L2_EPS), rk = 1.f / sqrtf(kk + L2_EPS);
-#pragma unroll
-            for (int m = 0; m < EPL; ++m) {
-                const int i = lane + 32 * m;
-                if (i < DK) {
-                    s_q[r][i + (i / RPL) * 4] = qv[u][m] * rq * qscale;
-                    s_k[r][i + (i / RPL) * 4] = kv[u][m] * rk;
-                }
-            }
+            stage_row<DK>(qv[u], kv[u], av[u], bv[u], neg_a, dtb, qscale, s_q[r], s_k[r], &s_decay[r], &s_beta[r],
+                          &s_kq[r], lane);
             s_v[r][lane] = vv[u];
-            if (lane == 0) {
-                const float x = av[u] + dtb;
-                const float softplus = x > 20.f ? x : log1pf(expf(x));
-                s_decay[r] = expf(neg_a * softplus);
-                s_beta[r] = gdn_sigmoid(bv[u]);
-                s_kq[r] = qk * rq * rk * qscale;
-            }
         }
         __syncthreads();
-        // Token by token, each warp alone (no barrier): with S the state before row r and e^g its decay,
-        //   S^T k and S^T q (each lane over its RPL rows, then across the 4 lane groups), delta = beta (v - e^g S^T k),
-        //   o = e^g S^T q + delta (k . q)  (= S'^T q),   S' = e^g S + k delta^T.
+        // Token by token, each warp alone (no barrier).
         const int kbase = grp * (RPL + 4);  // the lane group's rows in a staged q / k row
         for (int r = 0; r < rows; ++r) {
-            const float decay = s_decay[r], beta = s_beta[r], kq = s_kq[r];
-            const float v = s_v[r][warp * GDN_COLS + c];
-            const float4* kr = reinterpret_cast<const float4*>(&s_k[r][kbase]);
-            const float4* qr = reinterpret_cast<const float4*>(&s_q[r][kbase]);
-            float pk[4] = {0.f, 0.f, 0.f, 0.f}, pq[4] = {0.f, 0.f, 0.f, 0.f};  // four chains of RPL / 4 FMAs
-#pragma unroll
-            for (int m = 0; m < RPL / 4; ++m) {
-                const float4 k4 = kr[m], q4 = qr[m];
-                pk[0] += st[4 * m] * k4.x, pk[1] += st[4 * m + 1] * k4.y;
-                pk[2] += st[4 * m + 2] * k4.z, pk[3] += st[4 * m + 3] * k4.w;
-                pq[0] += st[4 * m] * q4.x, pq[1] += st[4 * m + 1] * q4.y;
-                pq[2] += st[4 * m + 2] * q4.z, pq[3] += st[4 * m + 3] * q4.w;
-            }
-            float sk = (pk[0] + pk[1]) + (pk[2] + pk[3]), sq_ = (pq[0] + pq[1]) + (pq[2] + pq[3]);
-            // Across the groups (lanes 8 and 16 apart): a + b == b + a, so the four lanes of a column agree exactly.
-            sk += __shfl_xor_sync(0xffffffffu, sk, 8);
-            sq_ += __shfl_xor_sync(0xffffffffu, sq_, 8);
-            sk += __shfl_xor_sync(0xffffffffu, sk, 16);
-            sq_ += __shfl_xor_sync(0xffffffffu, sq_, 16);
-            const float delta = (v - decay * sk) * beta;
-            if (grp == 0 && col) out[(lo + base + r) * out_stride + (long long)h * DV + j] = decay * sq_ + delta * kq;
-#pragma unroll
-            for (int m = 0; m < RPL / 4; ++m) {
-                const float4 k4 = kr[m];
-                st[4 * m] = st[4 * m] * decay + k4.x * delta;
-                st[4 * m + 1] = st[4 * m + 1] * decay + k4.y * delta;
-                st[4 * m + 2] = st[4 * m + 2] * decay + k4.z * delta;
-                st[4 * m + 3] = st[4 * m + 3] * decay + k4.w * delta;
-            }
+            const float o = delta_rule_token<RPL>(st, reinterpret_cast<const float4*>(&s_k[r][kbase]),
+                                                  reinterpret_cast<const float4*>(&s_q[r][kbase]),
+                                                  s_v[r][warp * GDN_COLS + c], s_decay[r], s_beta[r], s_kq[r]);
+            if (grp == 0 && col) out[(lo + base + r) * out_stride + (long long)h * DV + j] = o;
         }
     }
     if (commit && col) {
@@ -272,23 +314,6 @@ __global__ void __launch_bounds__(GDN_WARPS * 32) gdn_recurrent(
 
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;" ::: "memory"); }
-
-// The bf16 of gated_rms_norm's row r of head h (lanes over the DV columns), from o in shared memory (nullptr: a row
-// of zeros, as numpy's outputs outside a span) and z in proj: the expression gated_rms_norm computes, in its order.
-__device__ __forceinline__ void mixer_norm_row(const float* o, const float* zr, const float* __restrict__ w,
-                                               bf16* orow, int DV, float eps, int lane) {
-    float ss = 0.f;
-    for (int i = lane; i < DV; i += 32) {
-        const float v = o ? o[i] : 0.f;
-        ss += v * v;
-    }
-    ss = warp_sum(ss);
-    const float rs = 1.f / sqrtf(ss / (float)DV + eps);
-    for (int i = lane; i < DV; i += 32) {
-        const float g = zr[i];
-        orow[i] = __float2bfloat16_rn(w[i] * ((o ? o[i] : 0.f) * rs) * (g * gdn_sigmoid(g)));
-    }
-}
 
 template <int K, int DK, typename W>
 __global__ void __launch_bounds__(MIX_WARPS * 32) gdn_mixer(
@@ -330,8 +355,8 @@ __global__ void __launch_bounds__(MIX_WARPS * 32) gdn_mixer(
     if (normed) {  // rows this sequence does not run (outside its span, or all of a padding sequence's): norm of zeros
         for (int r = warp; r < seq_rows; r += MIX_WARPS)
             if (slot < 0 || r < first || r >= first + len)
-                mixer_norm_row(nullptr, zcol + (start + r) * sp, norm_w, out + (start + r) * out_stride + h * DV, DV,
-                               eps, lane);
+                gated_norm_row<float, float>(nullptr, zcol + (start + r) * sp, norm_w,
+                                             out + (start + r) * out_stride + h * DV, DV, eps, lane);
     }
     if (len <= 0 || slot < 0) return;  // uniform over the cluster (one sequence): no CTA waits at its barrier alone
     const bool shared_writes = commit && R > 1;
@@ -360,18 +385,12 @@ __global__ void __launch_bounds__(MIX_WARPS * 32) gdn_mixer(
 #pragma unroll
         for (int i = 0; i < GDN_ROWS; ++i) {
             if (i >= rows) break;
-            win[K - 1] = xr[i];
-            float acc = 0.f;
-#pragma unroll
-            for (int q = 0; q < K; ++q) acc += wc[q] * win[q];
-            const float y = acc * gdn_sigmoid(acc);
+            const float y = conv_row(wc, win, xr[i]);
             if (conv_lane) {
                 if (ch < DK) s_q[i][ch + (ch / RPL) * 4] = y;
                 else if (qk_channel) s_k[i][ch - DK + ((ch - DK) / RPL) * 4] = y;
                 else s_v[i][ch - 2 * DK] = y;
             }
-#pragma unroll
-            for (int q = 0; q < K - 1; ++q) win[q] = win[q + 1];
         }
         __syncthreads();
         // gdn_recurrent's staging of row `warp`: L2 norms, k . q, the decay and beta.
@@ -383,70 +402,22 @@ __global__ void __launch_bounds__(MIX_WARPS * 32) gdn_mixer(
                 qv[m] = i < DK ? s_q[warp][i + (i / RPL) * 4] : 0.f;
                 kv[m] = i < DK ? s_k[warp][i + (i / RPL) * 4] : 0.f;
             }
-            float qq = 0.f, kk = 0.f, qk = 0.f;
-#pragma unroll
-            for (int m = 0; m < EPL; ++m) {
-                qq += qv[m] * qv[m];
-                kk += kv[m] * kv[m];
-                qk += qv[m] * kv[m];
-            }
-            qq = warp_sum(qq);
-            kk = warp_sum(kk);
-            qk = warp_sum(qk);
-            const float rq = 1.f / sqrtf(qq + L2_EPS), rk = 1.f / sqrtf(kk + L2_EPS);
-#pragma unroll
-            for (int m = 0; m < EPL; ++m) {
-                const int i = lane + 32 * m;
-                if (i < DK) {
-                    s_q[warp][i + (i / RPL) * 4] = qv[m] * rq * qscale;
-                    s_k[warp][i + (i / RPL) * 4] = kv[m] * rk;
-                }
-            }
-            if (lane == 0) {
-                const float x = av + dtb;
-                const float softplus = x > 20.f ? x : log1pf(expf(x));
-                s_decay[warp] = expf(neg_a * softplus);
-                s_beta[warp] = gdn_sigmoid(bv);
-                s_kq[warp] = qk * rq * rk * qscale;
-            }
+            stage_row<DK>(qv, kv, av, bv, neg_a, dtb, qscale, s_q[warp], s_k[warp], &s_decay[warp], &s_beta[warp],
+                          &s_kq[warp], lane);
         }
         __syncthreads();
         // gdn_recurrent's token loop, o into shared memory.
         const int kbase = grp * (RPL + 4);
         for (int r = 0; r < rows; ++r) {
-            const float decay = s_decay[r], beta = s_beta[r], kq = s_kq[r];
-            const float v = col ? s_v[r][j] : 0.f;
-            const float4* kr = reinterpret_cast<const float4*>(&s_k[r][kbase]);
-            const float4* qr = reinterpret_cast<const float4*>(&s_q[r][kbase]);
-            float pk[4] = {0.f, 0.f, 0.f, 0.f}, pq[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-            for (int m = 0; m < RPL / 4; ++m) {
-                const float4 k4 = kr[m], q4 = qr[m];
-                pk[0] += st[4 * m] * k4.x, pk[1] += st[4 * m + 1] * k4.y;
-                pk[2] += st[4 * m + 2] * k4.z, pk[3] += st[4 * m + 3] * k4.w;
-                pq[0] += st[4 * m] * q4.x, pq[1] += st[4 * m + 1] * q4.y;
-                pq[2] += st[4 * m + 2] * q4.z, pq[3] += st[4 * m + 3] * q4.w;
-            }
-            float sk = (pk[0] + pk[1]) + (pk[2] + pk[3]), sq_ = (pq[0] + pq[1]) + (pq[2] + pq[3]);
-            sk += __shfl_xor_sync(0xffffffffu, sk, 8);
-            sq_ += __shfl_xor_sync(0xffffffffu, sq_, 8);
-            sk += __shfl_xor_sync(0xffffffffu, sk, 16);
-            sq_ += __shfl_xor_sync(0xffffffffu, sq_, 16);
-            const float delta = (v - decay * sk) * beta;
-            if (grp == 0 && col) s_o[r][j] = decay * sq_ + delta * kq;
-#pragma unroll
-            for (int m = 0; m < RPL / 4; ++m) {
-                const float4 k4 = kr[m];
-                st[4 * m] = st[4 * m] * decay + k4.x * delta;
-                st[4 * m + 1] = st[4 * m + 1] * decay + k4.y * delta;
-                st[4 * m + 2] = st[4 * m + 2] * decay + k4.z * delta;
-                st[4 * m + 3] = st[4 * m + 3] * decay + k4.w * delta;
-            }
+            const float o = delta_rule_token<RPL>(st, reinterpret_cast<const float4*>(&s_k[r][kbase]),
+                                                  reinterpret_cast<const float4*>(&s_q[r][kbase]),
+                                                  col ? s_v[r][j] : 0.f, s_decay[r], s_beta[r], s_kq[r]);
+            if (grp == 0 && col) s_o[r][j] = o;
         }
         if (normed) {
             __syncthreads();  // the stage's o is complete
             if (live)
-                mixer_norm_row(s_o[warp], zcol + t * sp, norm_w, out + t * out_stride + h * DV, DV, eps, lane);
+                gated_norm_row(s_o[warp], zcol + t * sp, norm_w, out + t * out_stride + h * DV, DV, eps, lane);
         }
     }
     if (commit) {
@@ -472,20 +443,8 @@ __global__ void gated_rms_norm(const X* __restrict__ x, long long sx, const Z* _
     const int lane = threadIdx.x & 31;
     const long long t = item / H;
     const int h = (int)(item % H);
-    const X* xr = x + t * sx + (long long)h * D;
-    const Z* zr = z + t * sz + (long long)h * D;
-    float ss = 0.f;
-    for (int i = lane; i < D; i += 32) {
-        const float v = gdn_f(xr[i]);
-        ss += v * v;
-    }
-    ss = warp_sum(ss);
-    const float rs = 1.f / sqrtf(ss / (float)D + eps);
-    bf16* orow = out + t * ((long long)H * D) + (long long)h * D;
-    for (int i = lane; i < D; i += 32) {
-        const float g = gdn_f(zr[i]);
-        orow[i] = __float2bfloat16_rn(w[i] * (gdn_f(xr[i]) * rs) * (g * gdn_sigmoid(g)));
-    }
+    gated_norm_row(x + t * sx + (long long)h * D, z + t * sz + (long long)h * D, w,
+                   out + t * ((long long)H * D) + (long long)h * D, D, eps, lane);
 }
 
 template <typename X, typename G>
