@@ -13,8 +13,17 @@
 // maps (stream_gemm.py): w in boxes of [16 T rows][64 columns], x in boxes of [16 rows][64 columns] (a wide
 // launch of a quantized weight: [8 NT rows], M <= 8 NT <= 64); rows past N or past M are filled with zeros by the
 // copy engine, and only reach their own (masked) outputs anyway.
-// Work: w's rows form blocks of 16 T; CTA b takes blocks b, b + gridDim.x, ... and streams each in K tiles of
-// KT columns: one ring stage holds a tile's KT / 64 weight boxes and KT / 64 x boxes (layout below).
+// Work: w's rows form blocks of 16 T, each streamed in K tiles of KT columns (one ring stage holds a tile's KT / 64
+// weight boxes and KT / 64 x boxes, layout below): units = blocks x K tiles in (block, k tile) order. CTA i takes
+// whole blocks i, i + G, i + 2 G, .. (G CTAs), or with SplitK.on (stream-K) the contiguous units i U / G ..
+// (i + 1) U / G, so every CTA streams the same bytes even where there are fewer blocks than SMs (Qwen3-4B's
+// down_proj: 80 blocks of 2 tiles for 132 SMs). A block then spans CTAs: the one
+// holding its k tile 0 owns it; a CTA whose range starts inside a block (only its first) writes that block's float32
+// partial sums to SplitK.part and raises its lanes' flags; the owner, at the block's end, adds its own sums and
+// then those of the CTAs i + 1, i + 2, .. that hold the rest, in that order, and runs the epilogue. The partial is
+// a CTA's first work and the owner's wait its last, so the wait is short; it needs every CTA resident at once
+// (the plan: grid <= SMs, one CTA per SM by its shared memory). The order of every sum still depends on the plan
+// alone, never on M.
 // Warps: 0..CW-1 compute (CW = 4, or 8 for W8 and W4: two per scheduler, below), warp CW copies (its lane 0 arms
 // a stage's barrier with the byte count and issues the stage's box copies; W8: all its lanes also stage the
 // scales, below). Barriers: full[s] (1 arrival + the bytes; W8: 1 + 32 arrivals), empty[s] (one per compute warp).
@@ -101,6 +110,7 @@
 #define SG_MAX_PARTS 256  // producer CTAs an SG_ROW_SCALE consumer can fold (stream_gemm.py checks)
 
 #define SG_W8_BLOCK 128  // columns per FP8 scale
+#define SG_SPLIT_ACC 64  // accumulators per lane of a split block's partial: T NT 4 of any instantiation
 
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
@@ -140,6 +150,13 @@ __device__ __forceinline__ void tma_load(unsigned dst, const TensorMap& map, int
 }
 // The FP8 weight's scales (W8; unused, null, for bf16 weights).
 // W4: only gscale (the scale bytes come by the tensor map smap).
+// Stream-K's workspace (see Work above: the SPLIT instantiations); unused (null) by the others, which compile to
+// the whole-block loop alone.
+struct SplitK {
+    float* part;     // [gridDim.x][SG_SPLIT_ACC][32] float32: CTA i's partial of the block its range starts inside
+    unsigned* flag;  // [gridDim.x][32]: 1 once lane l of CTA i has written its part; the owner resets it to 0
+    int on;          // == SPLIT (stream_gemm.py passes it; the kernel reads the template parameter)
+};
 struct WeightScales {
     const float* scale;   // W8: [S][cols] float32
     const int* rows;      // W8: [N] int32: scale row of each weight row
@@ -191,14 +208,16 @@ __device__ __forceinline__ void store_y(bf16* p, float v) { *p = __float2bfloat1
 // bytes, and resident rows are XROW = 2 K + 64 apart (16-byte reads of rows g and g + 1 in distinct banks).
 // stream_gemm.py computes the same size.
 // XRES: xmap is no tensor map but {x's address, its row stride in bytes} in its first two words.
-template <int T, int NT, int KT, typename Y, int EPI, bool XRES, int WB, int CW>
+template <int T, int NT, int KT, typename Y, int EPI, bool XRES, int WB, int CW, bool SPLIT>
 __global__ void __launch_bounds__(32 * (CW + 1))
 stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap, Y* __restrict__ y,
             int M, int N, int K, int stages, int prefill, const __grid_constant__ Epilogue epi,
-            const __grid_constant__ WeightScales wsc, const __grid_constant__ TensorMap smap) {
+            const __grid_constant__ WeightScales wsc, const __grid_constant__ TensorMap smap,
+            const __grid_constant__ SplitK sk) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     pdl_launch_dependents();
     static_assert(!XRES || NT == 1, "resident x rows are addressed for one token tile");
+    static_assert(T * NT * 4 <= SG_SPLIT_ACC, "a split block's partial fits SplitK.part");
     static_assert(CW == 4 || CW == 8, "four or eight compute warps");
     constexpr bool W8 = WB == 8, W4 = WB == 4;  // the weight's bits per element (16: bf16)
     static_assert(WB == 16 || W8 || W4, "bf16, FP8 or NVFP4 weights");
@@ -231,8 +250,18 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int nblocks = (N + 16 * T - 1) / (16 * T);
     const int ktiles = K / KT;
-    const int my_blocks = blockIdx.x < nblocks ? (nblocks - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-    const int total = my_blocks * ktiles;  // ring tiles this CTA streams, in (block, k tile) order
+    // The ring tiles this CTA streams (Work above), `total` of them in (block, k tile) order: from block blk0's k
+    // tile kt0 (0 unless stream-K starts it inside a block), the next block bstride further, to block blk_last.
+    // Tile i is k tile (kt0 + i) % ktiles of block blk0 + (kt0 + i) / ktiles * bstride.
+    auto first_unit = [&](int cta) { return (int)((long long)cta * nblocks * ktiles / gridDim.x); };  // stream-K
+    const int my_blocks = blockIdx.x < nblocks ? (nblocks - 1 - blockIdx.x) / gridDim.x + 1 : 0;  // whole blocks
+    const int u0 = SPLIT ? first_unit(blockIdx.x) : 0;
+    const int total = SPLIT ? first_unit(blockIdx.x + 1) - u0 : my_blocks * ktiles;
+    const int bstride = SPLIT ? 1 : gridDim.x, kt0 = SPLIT ? u0 % ktiles : 0;
+    const int blk0 = SPLIT ? u0 / ktiles : blockIdx.x;
+    const int blk_last = blk0 + ((kt0 + total - 1) / ktiles) * bstride;
+    auto tile_kt = [&](int i) { return (kt0 + i) % ktiles; };
+    auto tile_blk = [&](int i) { return blk0 + (kt0 + i) / ktiles * bstride; };
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < stages; ++s) {
@@ -253,7 +282,7 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
         // Stage i = s + stages * (its round) = kt + ktiles * blk: ring slot s, k tile kt of the CTA's block blk.
         auto copy_w = [&](int s, int kt, int blk) {
             if (W8 && lane != 0) return;
-            const int row0 = (blockIdx.x + blk * gridDim.x) * 16 * T, k0 = kt * KT;
+            const int row0 = blk * 16 * T, k0 = kt * KT;
             mbar_expect_tx(full0 + 8 * s, STAGE_TX);
 #pragma unroll
             for (int b = 0; b < WBOXES; ++b)
@@ -272,23 +301,24 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
         // W8: lane l stages entries j = l + 32 q (q < T) of scs[s]: row j % (16 T) of the block, scale column
         // j / (16 T) of the stage. srow[q] / srow_next[q]: rows[f] * cols of that row f in the block being issued /
         // the next block (-1 past N or past this CTA's blocks), fetched a block ahead so that only the first block's
-        // row map is waited for (before griddepcontrol.wait, under the kernel in front: it is a weight).
+        // row map is waited for (before griddepcontrol.wait, under the kernel in front: it is a weight). Blocks are
+        // numbered absolutely (blk0 .. blk_last).
         constexpr int SQ = W8 ? T : 1;
         int srow[SQ], srow_next[SQ];
         auto block_rows = [&](int blk, int (&out)[SQ]) {
-            const int row0 = (blockIdx.x + blk * gridDim.x) * 16 * T;
+            const int row0 = blk * 16 * T;
 #pragma unroll
             for (int q = 0; q < SQ; ++q) {
                 const int f = row0 + (lane + 32 * q) % (16 * T);
-                out[q] = blk < my_blocks && f < N ? wsc.rows[f] * wsc.cols : -1;
+                out[q] = blk <= blk_last && f < N ? wsc.rows[f] * wsc.cols : -1;
             }
         };
         auto copy_s = [&](int s, int kt, int blk) {  // called for stages i = 0, 1, 2, ... in order
             const int kb0 = kt * (KT / SG_W8_BLOCK);
-            if (blk > 0 && kt == 0) {  // a new block: its rows came with the previous one
+            if (blk > blk0 && kt == 0) {  // a new block: its rows came with the previous one
 #pragma unroll
                 for (int q = 0; q < SQ; ++q) srow[q] = srow_next[q];
-                block_rows(blk + 1, srow_next);
+                block_rows(blk + bstride, srow_next);
             }
 #pragma unroll
             for (int q = 0; q < SQ; ++q) {
@@ -300,12 +330,13 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
         };
         const int ahead = min(min(stages, prefill), total);
         if constexpr (W8) {
-            block_rows(0, srow);
-            block_rows(1, srow_next);
+            block_rows(blk0, srow);
+            block_rows(blk0 + bstride, srow_next);
         }
-        for (int i = 0; i < ahead; ++i) copy_w(i % stages, i % ktiles, i / ktiles);  // before the wait: overlaps the kernels in front
+        // before the wait: overlaps the kernels in front
+        for (int i = 0; i < ahead; ++i) copy_w(i % stages, tile_kt(i), tile_blk(i));
         if constexpr (W8)  // after the boxes, which do not wait for srow
-            for (int i = 0; i < ahead; ++i) copy_s(i % stages, i % ktiles, i / ktiles);
+            for (int i = 0; i < ahead; ++i) copy_s(i % stages, tile_kt(i), tile_blk(i));
         pdl_wait();
         if constexpr (XRES) {
             if (!W8 || lane == 0) {
@@ -316,24 +347,24 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                                  ::"r"(xs + m * xrow), "l"(x + m * stride), "r"(2 * K), "r"(xbar) : "memory");
             }
         } else {
-            for (int i = 0; i < ahead; ++i) copy_x(i % stages, i % ktiles);
+            for (int i = 0; i < ahead; ++i) copy_x(i % stages, tile_kt(i));
         }
         if constexpr (COUNTED) {
             // Counted, not divided, as in the compute warps' loop (this warp shares a scheduler with compute warp 0).
-            int s = ahead % stages, phase = (ahead / stages + 1) & 1, kt = ahead % ktiles, blk = ahead / ktiles;
+            int s = ahead % stages, phase = (ahead / stages + 1) & 1, kt = tile_kt(ahead), blk = tile_blk(ahead);
             for (int i = ahead; i < total; ++i) {
                 mbar_wait(empty0 + 8 * s, phase);  // the slot's previous round was read
                 copy_w(s, kt, blk);
                 if constexpr (!XRES) copy_x(s, kt);
                 if constexpr (W8) copy_s(s, kt, blk);
                 if (++s == stages) s = 0, phase ^= 1;
-                if (++kt == ktiles) kt = 0, ++blk;
+                if (++kt == ktiles) kt = 0, blk += bstride;
             }
         } else {
             for (int i = ahead; i < total; ++i) {
                 mbar_wait(empty0 + 8 * (i % stages), ((i / stages) - 1) & 1);
-                copy_w(i % stages, i % ktiles, i / ktiles);
-                if constexpr (!XRES) copy_x(i % stages, i % ktiles);
+                copy_w(i % stages, tile_kt(i), tile_blk(i));
+                if constexpr (!XRES) copy_x(i % stages, tile_kt(i));
             }
         }
         if constexpr (W8) asm volatile("cp.async.wait_all;" ::: "memory");  // none left in flight at exit
@@ -401,18 +432,18 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     // W8: stage i's slot i % stages, its phase (i / stages) & 1, its k tile i % ktiles and its block i / ktiles
     // are counted, not divided (integer divisions by run-time values cost ~50 instructions a stage); otherwise they
     // are divided where they are used (kt(), blk()).
-    int ring_s = 0, ring_phase = 0, ring_kt = 0, ring_blk = 0;
+    int ring_s = 0, ring_phase = 0, ring_kt = kt0, ring_blk = blk0;
     for (int i = 0; i < total; ++i) {
         if constexpr (COUNTED) if (i > 0) {
             if (++ring_s == stages) ring_s = 0, ring_phase ^= 1;
-            if (++ring_kt == ktiles) ring_kt = 0, ++ring_blk;
+            if (++ring_kt == ktiles) ring_kt = 0, ring_blk += bstride;
         }
-        auto kt = [&]() { return COUNTED ? ring_kt : i % ktiles; };
-        auto blk = [&]() { return COUNTED ? ring_blk : i / ktiles; };
+        auto kt = [&]() { return COUNTED ? ring_kt : tile_kt(i); };  // absolute k tile and block
+        auto blk = [&]() { return COUNTED ? ring_blk : tile_blk(i); };
         const int s = COUNTED ? ring_s : i % stages;
         float sc0[W8 ? T : 1][2];  // W8: this stage's scale of each of the lane's rows (its warp's scale column)
         if constexpr (EPI == SG_ADD_NORM && !XRES) if (warp == 0 && kt() == 0) {
-            const int row0 = (blockIdx.x + blk() * gridDim.x) * 16 * T;
+            const int row0 = blk() * 16 * T;
 #pragma unroll
             for (int t = 0; t < T; ++t)
 #pragma unroll
@@ -570,21 +601,23 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
         __syncwarp();
         if (lane == 0) mbar_arrive(empty0 + 8 * s);
 
-        if (COUNTED ? ring_kt + 1 != ktiles : (i + 1) % ktiles != 0) continue;
-        // End of a row block: add the CW warps' partials in a fixed order and write the outputs (W4: each warp's
-        // two chains first; warp 0 then scales each row's sum by its global scale * 2^7, requested here so the
-        // load's latency passes under the barrier).
+        if (kt() + 1 != ktiles && i + 1 != total) continue;
+        // End of a row block, or of this CTA's part of it: add the CW warps' partials in a fixed order, then (a
+        // block it owns) the other CTAs' parts and write the outputs (W4: each warp's two chains first; warp 0
+        // then scales each row's sum by its global scale * 2^7, requested here so the load's latency passes
+        // under the barrier), or (a block it starts inside) hand its sums to the owner.
+        const bool part_only = SPLIT && blk() == blk0 && kt0 > 0;  // CTA-uniform, as every branch here
         float gs[W4 ? T : 1][2];
         float* mine = &acc[0][0][0];  // acc[t][n][q] at (t NT + n) 4 + q
         if constexpr (W4) {
 #pragma unroll
             for (int r = 0; r < NACC; ++r) mine[r] += (&acc4[0][0][0])[r];
-            if (warp == 0) {
+            if (warp == 0 && !part_only) {
 #pragma unroll
                 for (int t = 0; t < T; ++t)
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
-                        const int f = (blockIdx.x + blk() * gridDim.x) * 16 * T + 16 * t + g + 8 * h;
+                        const int f = blk() * 16 * T + 16 * t + g + 8 * h;
                         gs[t][h] = f < N ? wsc.gscale[f] : 0.f;
                     }
             }
@@ -594,12 +627,39 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
             for (int r = 0; r < NACC; ++r) red[((warp - 1) * NACC + r) * 32 + lane] = mine[r];
         }
         asm volatile("bar.sync 1, %0;" ::"n"(32 * CW) : "memory");
-        const int row0 = (blockIdx.x + blk() * gridDim.x) * 16 * T;
+        const int row0 = blk() * 16 * T;
         if (warp == 0) {
             for (int p = 0; p < CW - 1; ++p) {
 #pragma unroll
                 for (int r = 0; r < NACC; ++r) mine[r] += red[(p * NACC + r) * 32 + lane];
             }
+            if (part_only) {  // lane l's sums, then its flag (release: the sums are visible before it)
+                float* out = sk.part + (size_t)blockIdx.x * SG_SPLIT_ACC * 32 + lane;
+#pragma unroll
+                for (int r = 0; r < NACC; ++r) out[r * 32] = mine[r];
+                asm volatile("st.release.gpu.global.u32 [%0], 1;"
+                             ::"l"(sk.flag + blockIdx.x * 32 + lane) : "memory");
+            } else if (SPLIT && kt() + 1 != ktiles) {  // owned, continued by the next CTAs: add their parts in order
+                const int end = (blk() + 1) * ktiles;
+                for (int j = blockIdx.x + 1; j < gridDim.x && first_unit(j) < end; ++j) {
+                    unsigned* flag = sk.flag + j * 32 + lane;
+                    unsigned ready;
+                    do {
+                        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(ready) : "l"(flag) : "memory");
+                    } while (!ready);
+                    const float* in = sk.part + (size_t)j * SG_SPLIT_ACC * 32 + lane;
+#pragma unroll
+                    for (int r = 0; r < NACC; ++r) mine[r] += in[r * 32];
+                    *flag = 0;  // for the next launch, which writes only after this grid has completed
+                }
+            }
+        }
+        if (part_only) {
+            asm volatile("bar.sync 1, %0;" ::"n"(32 * CW) : "memory");  // red is free again
+            zero();
+            continue;
+        }
+        if (warp == 0) {
             if constexpr (W4) {
 #pragma unroll
                 for (int r = 0; r < NACC; ++r) mine[r] *= gs[r / (4 * NT)][(r & 3) >> 1];

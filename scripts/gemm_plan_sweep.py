@@ -3,11 +3,12 @@
     PYTHONPATH=$PWD python3 scripts/gemm_plan_sweep.py [--models qwen3-8b,qwen3-4b,qwen3.5-9b] [--rows 1,16]
 
 For each weight [N, K] of a model's step (as the CUDA backend holds it: fused qkv / in_proj, interleaved gate_up) and
-each row count, times y = x @ w.T for plan_for's plan and for every other (t, grid, stages) in a small set, each
+each row count, times y = x @ w.T for plan_for's plan and for every other (t, grid, stages) in a small set and every
+split plan (stream-K over all SMs, t = 1..4), each
 call replayed from a CUDA graph over a rotation of weight copies larger than L2 (so every call streams its weight
 from HBM, as a step does). Prints per shape the bandwidth of each plan as a share of the measured copy bandwidth,
 plan_for's and the best, and a JSON list at the end. The plans are set by replacing stream_gemm.plan_for for the
-run (the kernel's bits depend on (K, KT) alone, so any plan computes the same y).
+run (every plan computes y up to float32 rounding).
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ SHAPES = {
     "qwen3.5-9b": [("gdn in_proj", 12352, 4096, 24), ("gdn out_proj", 4096, 4096, 24), ("attn qkvg", 10240, 4096, 8),
                    ("attn o", 4096, 4096, 8), ("gate_up", 24576, 4096, 32), ("down", 4096, 12288, 32),
                    ("lm_head", 248320, 4096, 1)],
+    "qwen3.5-27b": [("gdn in_proj", 16432, 5120, 48), ("gdn out_proj", 5120, 6144, 48),
+                    ("attn qkvg", 14336, 5120, 16), ("attn o", 5120, 6144, 16), ("gate_up", 34816, 5120, 64),
+                    ("down", 5120, 17408, 64)],
 }
 ROTATION_BYTES = 256 << 20  # > 5x the H200's 50 MiB L2
 REPS, TRIALS = 8, 5
@@ -46,6 +50,8 @@ def candidates(n: int, k: int, sms: int) -> list[stream_gemm.Plan]:
         for grid in sorted(grids):
             for stages in sorted({most, min(most, 6)}):
                 plans.append(stream_gemm.Plan(t=t, grid=grid, stages=stages))
+        if t == stream_gemm.SPLIT_T and blocks * (k // stream_gemm.KT) >= sms:
+            plans.append(stream_gemm.split_plan(sms))
     return plans
 
 
@@ -93,21 +99,26 @@ def main() -> None:
                 chosen = default_plan(n, k, sms)
                 rows = []
                 for plan in candidates(n, k, sms):
-                    stream_gemm.plan_for = lambda n_, k_, s_, bits=16, warps=4, plan=plan: plan
+                    stream_gemm.plan_for = lambda n_, k_, s_, bits=16, warps=4, split=True, plan=plan: plan
                     ms = timed_ms(b, fns)
                     rows.append((plan, ms))
                 stream_gemm.plan_for = default_plan
                 ms_default = timed_ms(b, fns)
                 best_plan, best_ms = min(rows, key=lambda r: r[1])
+                whole_plan, whole_ms = min((r for r in rows if not r[0].split), key=lambda r: r[1])
                 floor_ms = 2 * n * k / copy_bw / 1e6
-                print(f"{model:11s} {name:13s} [{n:6d}, {k:5d}] rows {m:2d}: plan_for t{chosen.t} g{chosen.grid} "
-                      f"s{chosen.stages} {ms_default * 1e3:8.1f} us ({floor_ms / ms_default:5.1%} of copy) | best "
-                      f"t{best_plan.t} g{best_plan.grid} s{best_plan.stages} {best_ms * 1e3:8.1f} us "
-                      f"({floor_ms / best_ms:5.1%}) | x{count} per forward: {(ms_default - best_ms) * count * 1e3:6.1f} us")
+                tag = lambda p: f"t{p.t} g{p.grid} s{p.stages}{' split' if p.split else ''}"  # noqa: E731
+                print(f"{model:11s} {name:13s} [{n:6d}, {k:5d}] rows {m:2d}: plan_for {tag(chosen)} "
+                      f"{ms_default * 1e3:8.1f} us ({floor_ms / ms_default:5.1%} of copy) | best "
+                      f"{tag(best_plan)} {best_ms * 1e3:8.1f} us "
+                      f"({floor_ms / best_ms:5.1%}) | x{count} per forward: {(ms_default - best_ms) * count * 1e3:6.1f} us"
+                      f" | best whole {tag(whole_plan)} {whole_ms * 1e3:.1f} | split " +
+                      " ".join(f"t{p.t} {ms * 1e3:.1f}" for p, ms in rows if p.split))
                 results.append(dict(model=model, name=name, n=n, k=k, rows=m, count=count, floor_us=floor_ms * 1e3,
                                     plan_for=dict(t=chosen.t, grid=chosen.grid, stages=chosen.stages,
-                                                  us=ms_default * 1e3),
-                                    plans=[dict(t=p.t, grid=p.grid, stages=p.stages, us=ms * 1e3) for p, ms in rows]))
+                                                  split=chosen.split, us=ms_default * 1e3),
+                                    plans=[dict(t=p.t, grid=p.grid, stages=p.stages, split=p.split, us=ms * 1e3)
+                                           for p, ms in rows]))
             del ws
             cp.get_default_memory_pool().free_all_blocks()
     print(json.dumps(results))

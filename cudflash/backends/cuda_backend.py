@@ -104,6 +104,8 @@ class CudaBackend:
         self.act = act_dtype()
         self.num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self.blas = Cublas()
+        if stream_gemm.available():  # allocated here, never inside a capture
+            stream_gemm.split_workspace(self.num_sms)
 
     def _kernel(self, module: str, kernel: str, name_expressions: tuple[str, ...] = ()) -> kernel_loader.Kernel:
         return kernel_loader.function(module, kernel, name_expressions, tuning=self.tuning)

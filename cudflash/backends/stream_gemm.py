@@ -12,6 +12,12 @@ copies per stage, because a copy per weight row is bound by the number of copies
 The launch plan (`plan_for`) depends on (N, K) and the device alone, never on M, so every output row's float32
 summation order is the same at any M: a verify pass computes the bits of the decode passes of its rows.
 
+A weight with too few 16-row tiles for the SMs (N = 2560 or 5120: a whole-block plan leaves a fifth to two fifths of
+them idle) is streamed split (`Plan.split`, stream-K): its CTAs share the (block, k tile) units evenly, a block that
+spans two CTAs is summed by the one holding its first k tile, which adds the other's float32 partial (SplitK in the
+kernel, through a workspace of the device: `split_workspace`). Where a block's K range is cut depends on (t, grid),
+so a split weight takes the same t and grid in every launch, a wide one's included.
+
 A few rows of x (a decode step at batch 1: one row of 8-24 KiB) are copied into shared memory once, after the wait,
 instead of in boxes beside every weight stage (`resident_x_bytes`): the ring then holds weight alone, in as many
 stages as with boxes: the ring's depth is not what limits the GEMM. Only where x's bytes come from changes, not the
@@ -46,6 +52,7 @@ has the bits of that row streamed alone.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -68,6 +75,18 @@ WIDE_MAX_T = {(8, 4): 4, (8, 8): 2, (4, 4): 2}
 # 227 KiB per CTA less the kernel's static row_scale.
 WIDE_SMEM_BUDGET = (227 << 10) - 4 * MAX_ROWS
 MAX_PARTS = 256  # SG_MAX_PARTS: producer CTAs whose partial sums of squares a row-scaling GEMM folds
+SPLIT_ACC = 64  # SG_SPLIT_ACC: float32 per lane of a split block's partial
+# A weight streams split where that takes at least this many tile stages (16 rows x one ring stage's columns), and
+# SPLIT_MIN_SHARE of its stream, off the busiest CTA of its whole-block plan: a split costs ~1 us more at the end (the
+# owner's wait for its partner's partial), which a smaller saving does not repay (BENCHMARKS.md, "Split plans":
+# Qwen3-4B's down_proj saves 30 of 76 tile stages and 1.3-3.8 us, its o_proj 13 of 32 and loses up to 0.3 us,
+# Qwen3.5-27B's gate_up 30 of 360 and gains nothing).
+SPLIT_MIN_TILE_STAGES, SPLIT_MIN_SHARE = 24, 0.1
+# ... and only where the whole-block plan's CTAs fill at most this share of the SMs: inside a step, under PDL, the
+# SMs a whole-block plan leaves free run the neighbouring kernels' CTAs, and a split over every SM made Qwen3.5-27B's
+# step slower (its down_proj and qkvg at 81-85%: AR +0.34, verify +0.60 ms) where the GEMM alone was faster.
+SPLIT_MAX_OCCUPANCY = 0.75
+SPLIT_T = 2  # a split plan's row blocks: a ring of 4 stages (t = 4 has 2); WIDE_MAX_T's smallest, for wide launches
 KT = 256  # K columns per ring stage (bf16, FP8): 64 per compute warp, four k16 MMA steps
 KT_W4 = 512  # per ring stage of an NVFP4 weight: the code bytes of an FP8 stage
 W4_WARPS = 8  # compute warps over an NVFP4 weight: 64 columns of a stage each (one ldmatrix.x4 per tile)
@@ -94,6 +113,7 @@ class Plan:
     bits: int = 16  # bits per weight element: 16 bf16, 8 FP8 (boxes of 128 one-byte codes), 4 NVFP4 (256 codes)
     warps: int = BF16_WARPS  # compute warps (CW): each takes stage_cols / warps columns of a stage; one more copies
     nt: int = 2  # token tiles of 8 rows the launch is sized for: 1 or 2 (up to 16 rows), a wide launch's 4 or 8
+    split: bool = False  # stream-K: the grid shares (block, k tile) units evenly, blocks may span two CTAs
 
     @property
     def threads(self) -> int:
@@ -157,12 +177,15 @@ BLOCK_OVERHEAD_TILES = 0.85
 
 
 @functools.cache
-def plan_for(n: int, k: int, num_sms: int, bits: int = 16, warps: int = BF16_WARPS) -> Plan:
+def plan_for(n: int, k: int, num_sms: int, bits: int = 16, warps: int = BF16_WARPS, split: bool = True) -> Plan:
     """Row blocks of t = 4..1 tiles, the t whose CTAs finish first: each CTA streams `rounds` blocks of t tiles and
     pays BLOCK_OVERHEAD_TILES per block (ties go to larger blocks, which share each x tile across more weight
     rows). Counting only the SM slots the last round leaves idle picked one-tile blocks whenever they divided
     evenly (1.2x slower at 9B's qkvg, and for 27B's qkvg and gate_up). bits: the weight's format (FP8's smaller
-    stages make the ring deeper); warps: its compute warps (their partials take shared memory from the ring)."""
+    stages make the ring deeper); warps: its compute warps (their partials take shared memory from the ring).
+    Where those CTAs leave SMs idle (N = 2560, 5120: too few blocks) and sharing the units over every SM would take
+    SPLIT_MIN_TILE_STAGES and SPLIT_MIN_SHARE off the busiest CTA's stream, and those CTAs fill at most
+    SPLIT_MAX_OCCUPANCY of the SMs, the plan is split (stream-K, `split` allowing), in blocks of SPLIT_T tiles."""
     tiles = math.ceil(n / 16)
 
     def cost(t: int) -> float:
@@ -171,13 +194,29 @@ def plan_for(n: int, k: int, num_sms: int, bits: int = 16, warps: int = BF16_WAR
     t = min((4, 3, 2, 1), key=cost)
     blocks = math.ceil(tiles / t)
     rounds = math.ceil(blocks / num_sms)
+    grid = math.ceil(blocks / rounds)
+    ktiles = k // stage_cols(bits)
+    units = math.ceil(tiles / SPLIT_T) * ktiles  # of a split plan: every CTA must have at least one
+    busiest = rounds * t * ktiles
+    saved = busiest - units * SPLIT_T / num_sms
+    if (split and units >= num_sms and saved >= max(SPLIT_MIN_TILE_STAGES, SPLIT_MIN_SHARE * busiest)
+            and blocks <= SPLIT_MAX_OCCUPANCY * rounds * num_sms):
+        return split_plan(num_sms, bits, warps)
     stages = min(16, (SMEM_BUDGET - Plan.fixed_bytes(t, warps)) // Plan.stage_bytes(t, bits=bits))
-    return Plan(t=t, grid=math.ceil(blocks / rounds), stages=max(2, stages), bits=bits, warps=warps)
+    return Plan(t=t, grid=grid, stages=max(2, stages), bits=bits, warps=warps)
+
+
+def split_plan(grid: int, bits: int = 16, warps: int = BF16_WARPS) -> Plan:
+    """A stream-K plan of blocks of SPLIT_T tiles (the kernel's SPLIT instantiations) over `grid` CTAs (at most the
+    SMs: every CTA must be resident at once)."""
+    t = SPLIT_T
+    stages = min(16, (SMEM_BUDGET - Plan.fixed_bytes(t, warps)) // Plan.stage_bytes(t, bits=bits))
+    return Plan(t=t, grid=grid, stages=max(2, stages), bits=bits, warps=warps, split=True)
 
 
 def weight_plan(n: int, k: int, num_sms: int, bits: int, tuning: CudaTuning) -> Plan:
-    """plan_for with the weight format's compute warps."""
-    return plan_for(n, k, num_sms, bits, _warps(bits, tuning))
+    """plan_for with the weight format's compute warps and the tuning's choice of split plans."""
+    return plan_for(n, k, num_sms, bits, _warps(bits, tuning), tuning.stream_gemm_split)
 
 
 def _warps(bits: int, tuning: CudaTuning) -> int:
@@ -185,12 +224,19 @@ def _warps(bits: int, tuning: CudaTuning) -> int:
 
 
 @functools.cache
-def wide_plan(n: int, k: int, num_sms: int, bits: int, warps: int, nt: int) -> Plan:
+def wide_plan(n: int, k: int, num_sms: int, bits: int, warps: int, nt: int, split: bool = True) -> Plan:
     """The plan of a wide launch (nt = 4 or 8 token tiles) over a quantized weight: row blocks of at most
     WIDE_MAX_T[bits, nt] tiles, chosen as plan_for chooses, and a ring filling WIDE_SMEM_BUDGET. Its rows' bits are
-    those of plan_for's launches (the order of a row's sums does not depend on t or nt)."""
+    those of plan_for's launches (the order of a row's sums does not depend on t or nt; a split plan's does, and
+    its t and grid are kept)."""
     tiles = math.ceil(n / 16)
     most = WIDE_MAX_T[bits, nt]
+    base = plan_for(n, k, num_sms, bits, warps, split)
+    if base.split:
+        if base.t > most:
+            raise BackendError(f"stream_gemm: a split plan of {base.t} tiles has no wide launch of {8 * nt} rows")
+        stages = (WIDE_SMEM_BUDGET - Plan.fixed_bytes(base.t, warps, nt)) // Plan.stage_bytes(base.t, bits=bits, nt=nt)
+        return dataclasses.replace(base, stages=min(16, stages), nt=nt)
 
     def cost(t: int) -> float:
         return math.ceil(math.ceil(tiles / t) / num_sms) * (t + BLOCK_OVERHEAD_TILES)
@@ -210,7 +256,7 @@ def launch_plan(m: int, n: int, k: int, num_sms: int, bits: int, tuning: CudaTun
     nt = 4 if m <= 32 else 8
     if bits == 16 or (bits, nt) not in WIDE_MAX_T:
         raise BackendError(f"stream_gemm: no launch of {m} rows over a {bits}-bit weight")
-    return wide_plan(n, k, num_sms, bits, _warps(bits, tuning), nt)
+    return wide_plan(n, k, num_sms, bits, _warps(bits, tuning), nt, tuning.stream_gemm_split)
 
 
 _SMEM_PER_SM, _SMEM_PER_BLOCK_OPTIN = 81, 97  # cudaDeviceAttr values
@@ -238,7 +284,7 @@ def usable(m: int, n: int, k: int, nbytes: int, tuning: CudaTuning) -> bool:
 
 def fusable(m: int, n: int, k: int, nbytes: int, num_sms: int, tuning: CudaTuning) -> bool:
     """Whether x [m, k] @ w [n, k].T can be an SG_ADD_NORM producer: usable, with few enough CTAs to fold."""
-    return usable(m, n, k, nbytes, tuning) and plan_for(n, k, num_sms).grid <= MAX_PARTS
+    return usable(m, n, k, nbytes, tuning) and weight_plan(n, k, num_sms, 16, tuning).grid <= MAX_PARTS
 
 
 def usable_quantized(m: int, n: int, k: int, bits: int) -> bool:
@@ -289,6 +335,24 @@ class TensorMap(ctypes.Structure):  # CUtensorMap: 128 opaque bytes, passed to t
 class Epilogue(ctypes.Structure):  # struct Epilogue in stream_gemm.cu, passed by value
     _fields_ = [("residual", ctypes.c_void_p), ("norm_w", ctypes.c_void_p), ("normed", ctypes.c_void_p),
                 ("ssq", ctypes.c_void_p), ("parts", ctypes.c_int), ("width", ctypes.c_int), ("eps", ctypes.c_float)]
+
+
+class SplitK(ctypes.Structure):  # struct SplitK in stream_gemm.cu, passed by value (on = 0: whole blocks)
+    _fields_ = [("part", ctypes.c_void_p), ("flag", ctypes.c_void_p), ("on", ctypes.c_int)]
+
+
+@functools.cache
+def _split_workspace(device: int, num_sms: int) -> tuple[cupy.ndarray, cupy.ndarray]:
+    # part [num_sms, SPLIT_ACC, 32] float32, flag [num_sms, 32] uint32 (zero between launches: each reader resets
+    # the flags it read). One per device: every launch is on the engine's one stream, and a GEMM writes to it only
+    # after the GEMM in front has completed.
+    return (cupy.zeros((num_sms, SPLIT_ACC, 32), dtype=cupy.float32),
+            cupy.zeros((num_sms, 32), dtype=cupy.uint32))
+
+
+def split_workspace(num_sms: int) -> tuple[cupy.ndarray, cupy.ndarray]:
+    """The split plans' workspace of the current device (CudaBackend allocates it up front, before any capture)."""
+    return _split_workspace(cupy.cuda.Device().id, num_sms)
 
 
 class WeightScales(ctypes.Structure):  # struct WeightScales in stream_gemm.cu, passed by value (null for bf16)
@@ -343,21 +407,24 @@ def tensor_map(ptr: int, rows: int, cols: int, row_stride: int, box_rows: int, i
     return out
 
 
-def _name(t: int, nt: int, y: str, epilogue: int, x_resident: bool, bits: int, warps: int) -> str:
-    return (f"stream_gemm<{t}, {nt}, {stage_cols(bits)}, {y}, {epilogue}, {'true' if x_resident else 'false'}, "
-            f"{bits}, {warps}>")
+def _name(t: int, nt: int, y: str, epilogue: int, x_resident: bool, bits: int, warps: int,
+          split: bool = False) -> str:
+    b = {True: "true", False: "false"}
+    return f"stream_gemm<{t}, {nt}, {stage_cols(bits)}, {y}, {epilogue}, {b[x_resident]}, {bits}, {warps}, {b[split]}>"
 
 
 @functools.cache
 def _names(bits: int, warps: int) -> tuple[str, ...]:
     """Every instantiation of a module: one per weight format (bf16, FP8 with the tuning's compute warps, NVFP4: the
     same source compiled apart, so that one format's instantiations never change another's build)."""
-    few = tuple(_name(t, nt, y, e, res, bits, warps) for t in (1, 2, 3, 4)
+    few = tuple(_name(t, nt, y, e, res, bits, warps, split) for t in (1, 2, 3, 4) for split in (False, True)
+                if t == SPLIT_T or not split
                 for nt, res in ((1, False), (2, False), (1, True))
                 for y, e in (("float", PLAIN), ("bf16", PLAIN), ("float", ADD_NORM), ("float", ROW_SCALE),
                              ("bf16", ROW_SCALE), ("bf16", SWIGLU), ("bf16", ROW_SCALE | SWIGLU)))
-    wide = tuple(_name(t, nt, y, e, False, bits, warps) for (b, nt), most in WIDE_MAX_T.items() if b == bits
-                 for t in range(1, most + 1) for y, e in (("float", PLAIN), ("bf16", PLAIN), ("bf16", SWIGLU)))
+    wide = tuple(_name(t, nt, y, e, False, bits, warps, split) for (b, nt), most in WIDE_MAX_T.items() if b == bits
+                 for t in range(1, most + 1) for split in (False, True) if t == SPLIT_T or not split
+                 for y, e in (("float", PLAIN), ("bf16", PLAIN), ("bf16", SWIGLU)))
     return few + wide
 
 
@@ -401,7 +468,8 @@ def kernel_name(m: int, w: Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTu
     bits = weight_bits(w)
     plan = launch_plan(m, n, k, num_sms, bits, tuning)
     nt = plan.nt if m > MAX_ROWS else 1 if m <= 8 else 2
-    return _name(plan.t, nt, _Y[y.dtype.name], epilogue, resident_x_bytes(m, k, bits) is not None, bits, plan.warps)
+    return _name(plan.t, nt, _Y[y.dtype.name], epilogue, resident_x_bytes(m, k, bits) is not None, bits, plan.warps,
+                 plan.split)
 
 
 def _launch(x: cupy.ndarray, w: Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
@@ -432,9 +500,15 @@ def _launch(x: cupy.ndarray, w: Weight, y: cupy.ndarray, num_sms: int, tuning: C
     else:
         wmap, scales = tensor_map(w.data.ptr, n, k, k, 16 * plan.t), WeightScales()
     xmap = tensor_map(x.data.ptr, m, k, ldx, x_box_rows(plan.nt)) if x_bytes is None else _x_rows(x.data.ptr, 2 * ldx)
+    split = SplitK()
+    if plan.split:
+        if plan.grid > num_sms or math.ceil(n / (16 * plan.t)) * (k // plan.kt) < plan.grid:
+            raise BackendError(f"stream_gemm: a split plan of {plan.grid} CTAs for [{n}, {k}] ({num_sms} SMs)")
+        part, flag = split_workspace(num_sms)
+        split = SplitK(part.data.ptr, flag.data.ptr, 1)
     stream = cupy.cuda.get_current_stream()
     args = (wmap, xmap, y, i32(m), i32(n), i32(k), i32(plan.stages), i32(tuning.stream_gemm_prefill_stages), epi,
-            scales, smap)
+            scales, smap, split)
     pdl.launch(kern.raw, (plan.grid,), (plan.threads,), args, smem, stream, programmatic=kern.programmatic(stream))
 
 

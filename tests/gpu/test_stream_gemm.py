@@ -150,7 +150,10 @@ def test_plans_cover_the_weight_one_cta_per_sm(n, k):
     for num_sms in (132, 114, 78):
         plan = sg.plan_for(n, k, num_sms)
         blocks = -(-n // (16 * plan.t))
-        assert plan.grid <= num_sms and -(-blocks // plan.grid) == -(-blocks // num_sms)  # no extra rounds
+        if plan.split:  # every SM, each CTA at least one (block, k tile) unit
+            assert plan.grid == num_sms and blocks * (k // plan.kt) >= num_sms
+        else:
+            assert plan.grid <= num_sms and -(-blocks // plan.grid) == -(-blocks // num_sms)  # no extra rounds
         assert plan.stages >= 2
         for m in (1, 8, 16):  # x resident in shared memory or in boxes with each stage
             x_bytes = sg.resident_x_bytes(m, k)
