@@ -15,7 +15,7 @@
 // copy engine, and only reach their own (masked) outputs anyway.
 // Work: w's rows form blocks of 16 T, each streamed in K tiles of KT columns (one ring stage holds a tile's KT / 64
 // weight boxes and KT / 64 x boxes, layout below): units = blocks x K tiles in (block, k tile) order. CTA i takes
-// whole blocks i, i + G, i + 2 G, .. (G CTAs), or with SplitK.on (stream-K) the contiguous units i U / G ..
+// whole blocks i, i + G, i + 2 G, .. (G CTAs), or (SPLIT: stream-K) the contiguous units i U / G ..
 // (i + 1) U / G, so every CTA streams the same bytes even where there are fewer blocks than SMs (Qwen3-4B's
 // down_proj: 80 blocks of 2 tiles for 132 SMs). A block then spans CTAs: the one
 // holding its k tile 0 owns it; a CTA whose range starts inside a block (only its first) writes that block's float32

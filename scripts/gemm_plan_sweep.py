@@ -4,7 +4,7 @@
 
 For each weight [N, K] of a model's step (as the CUDA backend holds it: fused qkv / in_proj, interleaved gate_up) and
 each row count, times y = x @ w.T for plan_for's plan and for every other (t, grid, stages) in a small set and every
-split plan (stream-K over all SMs, t = 1..4), each
+split plan (stream-K over all SMs, blocks of SPLIT_T tiles), each
 call replayed from a CUDA graph over a rotation of weight copies larger than L2 (so every call streams its weight
 from HBM, as a step does). Prints per shape the bandwidth of each plan as a share of the measured copy bandwidth,
 plan_for's and the best, and a JSON list at the end. The plans are set by replacing stream_gemm.plan_for for the

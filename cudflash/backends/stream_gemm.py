@@ -12,11 +12,12 @@ copies per stage, because a copy per weight row is bound by the number of copies
 The launch plan (`plan_for`) depends on (N, K) and the device alone, never on M, so every output row's float32
 summation order is the same at any M: a verify pass computes the bits of the decode passes of its rows.
 
-A weight with too few 16-row tiles for the SMs (N = 2560 or 5120: a whole-block plan leaves a fifth to two fifths of
-them idle) is streamed split (`Plan.split`, stream-K): its CTAs share the (block, k tile) units evenly, a block that
-spans two CTAs is summed by the one holding its first k tile, which adds the other's float32 partial (SplitK in the
-kernel, through a workspace of the device: `split_workspace`). Where a block's K range is cut depends on (t, grid),
-so a split weight takes the same t and grid in every launch, a wide one's included.
+A weight with too few 16-row tiles for the SMs over a long K (Qwen3-4B's down_proj: a whole-block plan leaves 52 of
+132 SMs idle; plan_for says where) is streamed split (`Plan.split`, stream-K): its CTAs share the (block, k tile)
+units evenly, a block that spans two CTAs is summed by the one holding its first k tile, which adds the other's
+float32 partial (SplitK in the kernel, through a workspace of the device: `split_workspace`). Where a block's K
+range is cut depends on (t, grid), so a split weight takes the same t and grid in every launch, a wide one's
+included.
 
 A few rows of x (a decode step at batch 1: one row of 8-24 KiB) are copied into shared memory once, after the wait,
 instead of in boxes beside every weight stage (`resident_x_bytes`): the ring then holds weight alone, in as many
@@ -52,7 +53,6 @@ has the bits of that row streamed alone.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -235,17 +235,16 @@ def wide_plan(n: int, k: int, num_sms: int, bits: int, warps: int, nt: int, spli
     if base.split:
         if base.t > most:
             raise BackendError(f"stream_gemm: a split plan of {base.t} tiles has no wide launch of {8 * nt} rows")
-        stages = (WIDE_SMEM_BUDGET - Plan.fixed_bytes(base.t, warps, nt)) // Plan.stage_bytes(base.t, bits=bits, nt=nt)
-        return dataclasses.replace(base, stages=min(16, stages), nt=nt)
+        t, grid = base.t, base.grid
+    else:
+        def cost(t: int) -> float:
+            return math.ceil(math.ceil(tiles / t) / num_sms) * (t + BLOCK_OVERHEAD_TILES)
 
-    def cost(t: int) -> float:
-        return math.ceil(math.ceil(tiles / t) / num_sms) * (t + BLOCK_OVERHEAD_TILES)
-
-    t = min(range(most, 0, -1), key=cost)
-    blocks = math.ceil(tiles / t)
-    rounds = math.ceil(blocks / num_sms)
+        t = min(range(most, 0, -1), key=cost)
+        blocks = math.ceil(tiles / t)
+        grid = math.ceil(blocks / math.ceil(blocks / num_sms))
     stages = (WIDE_SMEM_BUDGET - Plan.fixed_bytes(t, warps, nt)) // Plan.stage_bytes(t, bits=bits, nt=nt)
-    return Plan(t=t, grid=math.ceil(blocks / rounds), stages=min(16, stages), bits=bits, warps=warps, nt=nt)
+    return Plan(t=t, grid=grid, stages=min(16, stages), bits=bits, warps=warps, nt=nt, split=base.split)
 
 
 def launch_plan(m: int, n: int, k: int, num_sms: int, bits: int, tuning: CudaTuning) -> Plan:

@@ -45,8 +45,8 @@ class CudaTuning:
     # ops read them. Off: dequantized to bf16 at load. Off by default for the reason FP8 is: a large verify streams
     # the codes once per 16 rows.
     nvfp4_on_device: bool = False
-    # A weight whose whole-block plan leaves SMs idle (N = 2560, 5120) streams split over every SM (stream-K,
-    # stream_gemm.plan_for). Part of the plan: the summation order depends on it, never on the rows. Off: whole
+    # A weight whose whole-block plan leaves many SMs idle over a long K (Qwen3-4B's down_proj) streams split over
+    # every SM (stream-K, stream_gemm.plan_for). Part of the plan: the summation order depends on it, never on the rows. Off: whole
     # blocks only, for an A/B.
     stream_gemm_split: bool = True
     # Compute warps of the streaming GEMM over an FP8 weight: 4 (one per scheduler) or 8 (two). Part of the plan: the
