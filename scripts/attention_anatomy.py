@@ -38,23 +38,13 @@ def variants(orig: str) -> dict[str, str]:
     }
 
 
-def kernel_folder(parent: Path, name: str, attention_cu: str) -> str:
-    """A copy of the kernel sources with attention.cu replaced."""
-    folder = parent / name
-    folder.mkdir()
-    for item in kernel_source.kernel_root().iterdir():
-        if item.name.endswith((".cu", ".cuh")):
-            (folder / item.name).write_text(item.read_text(encoding="utf-8"), encoding="utf-8")
-    (folder / "attention.cu").write_text(attention_cu, encoding="utf-8")
-    return str(folder)
-
-
 def main() -> None:
     orig = kernel_source.kernel_root().joinpath("attention.cu").read_text(encoding="utf-8")
     b = CudaBackend()
     with tempfile.TemporaryDirectory() as tmp:
         for name, src in variants(orig).items():
-            tuning = CudaTuning(kernel_dir=kernel_folder(Path(tmp), name, src), invariant_max_context=0)
+            folder = kernel_source.copy_sources(Path(tmp) / name, {"attention.cu": src})
+            tuning = CudaTuning(kernel_dir=folder, invariant_max_context=0)
             out = []
             for ctx in (64, 512):
                 kc = b.random((ctx // 16 + 2, 16, HK, D), 1.0, 3)

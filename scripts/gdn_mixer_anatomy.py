@@ -57,17 +57,6 @@ def variants(orig: str) -> dict[str, str]:
     }
 
 
-def kernel_folder(parent: Path, name: str, gdn_cu: str) -> str:
-    """A copy of the kernel sources with gdn.cu replaced."""
-    folder = parent / name
-    folder.mkdir()
-    for item in kernel_source.kernel_root().iterdir():
-        if item.name.endswith((".cu", ".cuh")):
-            (folder / item.name).write_text(item.read_text(encoding="utf-8"), encoding="utf-8")
-    (folder / "gdn.cu").write_text(gdn_cu, encoding="utf-8")
-    return str(folder)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2,4,8,16")
@@ -83,7 +72,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
         for name, src in wanted.items():
-            b.tuning = CudaTuning(kernel_dir=kernel_folder(Path(tmp), name, src))
+            b.tuning = CudaTuning(kernel_dir=kernel_source.copy_sources(Path(tmp) / name, {"gdn.cu": src}))
             for shape, (hk, hv, dk, dv, taps) in SHAPES.items():
                 c = 2 * hk * dk + hv * dv
                 width = c + hv * dv + 2 * hv

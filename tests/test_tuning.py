@@ -89,14 +89,12 @@ def test_bench_tune_errors_are_one_line_and_exit_2(capsys, tune, message):
 def test_kernel_sources_are_read_from_the_tuning_folder(tmp_path):
     """A tuning's kernel_dir is where the sources come from, cached per folder: the same module name gives that
     folder's text, and the package's folder keeps its own."""
-    for item in kernel_source.kernel_root().iterdir():
-        if item.name.endswith((".cu", ".cuh")):
-            (tmp_path / item.name).write_text(item.read_text(encoding="utf-8"), encoding="utf-8")
-    common = tmp_path / "common.cuh"
-    common.write_text(common.read_text() + "\n#define CF_VARIANT 1\n")
-    variant, default = kernel_source.source("norm", str(tmp_path)), kernel_source.source("norm")
+    folder = tmp_path / "variant"
+    common = kernel_source.kernel_root().joinpath("common.cuh").read_text(encoding="utf-8")
+    kernel_source.copy_sources(folder, {"common.cuh": common + "\n#define CF_VARIANT 1\n"})
+    variant, default = kernel_source.source("norm", str(folder)), kernel_source.source("norm")
     assert "#define CF_VARIANT 1" in variant and "CF_VARIANT" not in default
-    assert f'#line 1 "{tmp_path.resolve() / "norm.cu"}"' in variant
+    assert f'#line 1 "{folder.resolve() / "norm.cu"}"' in variant
 
 
 def test_the_package_reads_no_tuning_from_the_environment_and_imports_no_tracing_tool():

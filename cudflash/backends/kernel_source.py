@@ -41,6 +41,19 @@ def module_names(kernel_dir: str | None = None) -> tuple[str, ...]:
     return tuple(sorted(p.name[:-3] for p in kernel_root(kernel_dir).iterdir() if p.name.endswith(".cu")))
 
 
+def copy_sources(folder: Path, replaced: dict[str, str] | None = None) -> str:
+    """Copies the CUDA sources (`*.cu`, `*.cuh`) into `folder`, which must not exist yet, with the text of the files
+    named in `replaced` ({file name: text}) instead of theirs: a tuning's kernel_dir for an A/B of kernel code.
+    Returns the folder as a string."""
+    folder.mkdir()
+    replaced = replaced or {}
+    for item in kernel_root().iterdir():
+        if item.name.endswith((".cu", ".cuh")):
+            text = replaced.get(item.name, item.read_text(encoding="utf-8"))
+            (folder / item.name).write_text(text, encoding="utf-8")
+    return str(folder)
+
+
 def _expand(root: Traversable, parts: tuple[str, ...], seen: set[tuple[str, ...]]) -> str:
     """The text of root/parts with its local includes inlined (each at most once, like #pragma once); an include
     is relative to the folder of the file that has it."""
