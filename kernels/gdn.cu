@@ -42,7 +42,8 @@
 //   convolves one channel (q of key head hk, its k, or v of head h) over the staged rows, its K-row window in
 //   registers across stages. The R CTAs of a cluster read the same q / k conv states: at commit rank 0 writes them,
 //   after a cluster barrier that each CTA arrives at once its windows are loaded (v channels and the recurrent
-//   state belong to one CTA alone).
+//   state belong to one CTA alone). Under PDL the windows and the state are read before griddepcontrol.wait: slots
+//   [n] is a step input, and only this layer's mixer writes its states, in an earlier launch.
 // gated_rms_norm<X, Z>: out[t, h D + i] = w[i] x[t, h D + i] rsqrt(mean_i x^2 + eps) silu(z[t, h D + i]); x, z
 //   [T, H D] X / Z with row strides sx, sz; w [D] float32; out [T, H D] bf16 contiguous. One warp per (row, head).
 // sigmoid_gate<X, G>: out = x sigmoid(gate); x, gate [T, W] with row strides; out [T, W] bf16. A thread per element.
@@ -345,8 +346,21 @@ __global__ void __launch_bounds__(MIX_WARPS * 32) gdn_mixer(
 #pragma unroll
     for (int q = 0; q < K; ++q) wc[q] = conv_lane ? gdn_f(conv_w[(long long)pcol * K + q]) : 0.f;
     const float neg_a = -expf(A_log[h]), dtb = dt_bias[h];
-    pdl_wait();
+    // The sequence's conv window and recurrent state, requested before the wait so that they arrive under the
+    // kernel in front (the in_proj GEMM) instead of after it: the slots are step inputs, copied in before any kernel
+    // of the step runs, and a layer's states are written only by this kernel of that layer, in an earlier launch
+    // (the previous step or the commit's own replay), never by a kernel in front of it in the same chain.
     const int slot = slots[s];
+    const bool live_slot = slot >= 0, col = j < DV;
+    float* cst = conv_states + ((long long)max(slot, 0) * C + pcol) * (K - 1);
+    float* S = states + ((long long)max(slot, 0) * HV + h) * DK * DV;
+    float win[K];  // win[q] = xx[r + q]: the K-1 rows before the next one, then that row
+#pragma unroll
+    for (int q = 0; q < K - 1; ++q) win[q] = conv_lane && live_slot ? cst[q] : 0.f;
+    float st[RPL];
+#pragma unroll
+    for (int i = 0; i < RPL; ++i) st[i] = col && live_slot ? S[(long long)(grp * RPL + i) * DV + j] : 0.f;
+    pdl_wait();
     const int start = cu[s], seq_rows = cu[s + 1] - start;
     const int first = spanned ? span[s] : 0, len = spanned ? span[gridDim.z + s] : seq_rows;
     const int lo = start + first;
@@ -360,16 +374,7 @@ __global__ void __launch_bounds__(MIX_WARPS * 32) gdn_mixer(
     }
     if (len <= 0 || slot < 0) return;  // uniform over the cluster (one sequence): no CTA waits at its barrier alone
     const bool shared_writes = commit && R > 1;
-    float* cst = conv_states + ((long long)slot * C + pcol) * (K - 1);
-    float win[K];  // win[q] = xx[r + q]: the K-1 rows before the next one, then that row
-#pragma unroll
-    for (int q = 0; q < K - 1; ++q) win[q] = conv_lane ? cst[q] : 0.f;
     if (shared_writes) cluster_arrive();  // this CTA has read the q / k conv states rank 0 may overwrite
-    float* S = states + ((long long)slot * HV + h) * DK * DV;
-    const bool col = j < DV;
-    float st[RPL];
-#pragma unroll
-    for (int i = 0; i < RPL; ++i) st[i] = col ? S[(long long)(grp * RPL + i) * DV + j] : 0.f;
     for (int base = 0; base < len; base += GDN_ROWS) {
         const int rows = min(GDN_ROWS, len - base);
         if (base > 0) __syncthreads();  // every warp is done with the previous stage

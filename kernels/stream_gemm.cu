@@ -155,7 +155,6 @@ __device__ __forceinline__ void tma_load(unsigned dst, const TensorMap& map, int
 struct SplitK {
     float* part;     // [gridDim.x][SG_SPLIT_ACC][32] float32: CTA i's partial of the block its range starts inside
     unsigned* flag;  // [gridDim.x][32]: 1 once lane l of CTA i has written its part; the owner resets it to 0
-    int on;          // == SPLIT (stream_gemm.py passes it; the kernel reads the template parameter)
 };
 struct WeightScales {
     const float* scale;   // W8: [S][cols] float32

@@ -336,8 +336,8 @@ class Epilogue(ctypes.Structure):  # struct Epilogue in stream_gemm.cu, passed b
                 ("ssq", ctypes.c_void_p), ("parts", ctypes.c_int), ("width", ctypes.c_int), ("eps", ctypes.c_float)]
 
 
-class SplitK(ctypes.Structure):  # struct SplitK in stream_gemm.cu, passed by value (on = 0: whole blocks)
-    _fields_ = [("part", ctypes.c_void_p), ("flag", ctypes.c_void_p), ("on", ctypes.c_int)]
+class SplitK(ctypes.Structure):  # struct SplitK in stream_gemm.cu, passed by value (null for whole-block plans)
+    _fields_ = [("part", ctypes.c_void_p), ("flag", ctypes.c_void_p)]
 
 
 @functools.cache
@@ -504,7 +504,7 @@ def _launch(x: cupy.ndarray, w: Weight, y: cupy.ndarray, num_sms: int, tuning: C
         if plan.grid > num_sms or math.ceil(n / (16 * plan.t)) * (k // plan.kt) < plan.grid:
             raise BackendError(f"stream_gemm: a split plan of {plan.grid} CTAs for [{n}, {k}] ({num_sms} SMs)")
         part, flag = split_workspace(num_sms)
-        split = SplitK(part.data.ptr, flag.data.ptr, 1)
+        split = SplitK(part.data.ptr, flag.data.ptr)
     stream = cupy.cuda.get_current_stream()
     args = (wmap, xmap, y, i32(m), i32(n), i32(k), i32(plan.stages), i32(tuning.stream_gemm_prefill_stages), epi,
             scales, smap, split)
