@@ -761,10 +761,11 @@ class CudaBackend:
     def gdn_recurrent_mixer(self, proj: cupy.ndarray, conv_weight: cupy.ndarray, conv_states: cupy.ndarray,
                             A_log: cupy.ndarray, dt_bias: cupy.ndarray, states: cupy.ndarray,
                             norm_weight: cupy.ndarray, eps: float, slots: Any, meta: AttentionMeta, commit: bool,
-                            span: cupy.ndarray | None = None, normed: bool = True) -> cupy.ndarray | None:
+                            span: cupy.ndarray | None = None, normed: bool = True,
+                            independent: bool = False) -> cupy.ndarray | None:
         args = (proj, conv_weight, conv_states, A_log, dt_bias, states, norm_weight, eps, slots, meta, commit)
         if self.tuning.gdn_fused_mixer and cuda_gdn.mixer_fits(proj, conv_weight, states):
-            return cuda_gdn.gdn_mixer(*args, normed, self.tuning, span)
+            return cuda_gdn.gdn_mixer(*args, normed, self.tuning, span, chained=not independent)
         return gdn_mixer_in_steps(self, *args, span, normed)
 
     def sigmoid_gate(self, x: cupy.ndarray, gate: cupy.ndarray) -> cupy.ndarray:

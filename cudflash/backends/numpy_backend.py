@@ -266,7 +266,7 @@ class NumpyBackend:
 
     def gdn_recurrent_mixer(self, proj, conv_weight, conv_states, A_log, dt_bias, states, norm_weight, eps: float,
                             slots, meta: AttentionMeta, commit: bool, span: np.ndarray | None = None,
-                            normed: bool = True) -> np.ndarray | None:
+                            normed: bool = True, independent: bool = False) -> np.ndarray | None:
         return gdn_mixer_in_steps(self, proj, conv_weight, conv_states, A_log, dt_bias, states, norm_weight, eps,
                                   slots, meta, commit, span, normed)
 

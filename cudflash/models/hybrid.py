@@ -321,7 +321,7 @@ class HybridTargetModel:
         for j, (layer, proj) in enumerate(zip(gdn_layers, tape.rows)):
             self.b.gdn_recurrent_mixer(proj, layer.conv, cache.conv[j], layer.A_log, layer.dt_bias, cache.states[j],
                                        layer.norm, self.cfg.rms_norm_eps, state_slots, tape.meta, True, span,
-                                       normed=False)
+                                       normed=False, independent=True)
 
     def logits(self, hidden: Any) -> Any:
         return self.b.linear(hidden, self.lm_head, out_f32=True)  # float32 logits: no bf16 ties at argmax

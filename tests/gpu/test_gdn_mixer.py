@@ -50,12 +50,12 @@ def pools(rng: np.random.Generator, dims):
             (rng.standard_normal((POOL, hv, dk, dv)) * 0.1).astype(np.float32))
 
 
-def run(b, args, conv_pool, state_pool, slots, meta, commit, span=None, normed=True, fused=None):
+def run(b, args, conv_pool, state_pool, slots, meta, commit, span=None, normed=True, fused=None, **kw):
     """b.gdn_recurrent_mixer (fused=None), or gdn_mixer_in_steps on b (fused=False)."""
     proj, conv, a_log, dt_bias, norm = args
     call = b.gdn_recurrent_mixer if fused is None else (lambda *a, **k: gdn_mixer_in_steps(b, *a, **k))
     return call(proj, conv, conv_pool, a_log, dt_bias, state_pool, norm, EPS, slots, meta, commit, span=span,
-                normed=normed)
+                normed=normed, **kw)
 
 
 def bits(x) -> np.ndarray:
@@ -139,3 +139,35 @@ def test_spanned_commit_matches_numpy(cb, rng):
     assert np.array_equal(cp.asnumpy(got_pools[0]), want_pools[0])
     still = [s for s in range(POOL) if s not in moved]
     assert np.array_equal(cp.asnumpy(got_pools[1])[still], state_pool[still])
+
+
+def test_independent_commits_replayed_side_by_side_equal_them_one_after_another(cb, rng):
+    """The commit graph's layers: captured with independent=True (no launch waits for the one in front, so under PDL
+    the layers' kernels overlap), each layer on its own tape rows and pools, a replay leaves every pool bit for bit
+    as the same commits run eagerly in turn; and a second replay from the same start does it again."""
+    dims, layers = DIMS["qwen3.5-9b"], 6
+    inputs = [mixer_inputs(cb, rng, dims, 16)[1] for _ in range(layers)]
+    start = [pools(rng, dims) for _ in range(layers)]
+    slots = cb.asarray([2], "i32")
+    _, meta = metas(cb, [16])
+    span = cp.asarray(np.array([[3], [7]], np.int32))
+    eager = [(cp.asarray(c), cp.asarray(st)) for c, st in start]
+    for args, p in zip(inputs, eager):
+        assert run(cb, args, *p, slots, meta, True, span=span, normed=False) is None
+    replayed = [(cp.asarray(c), cp.asarray(st)) for c, st in start]
+    cb.synchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        for args, p in zip(inputs, replayed):
+            run(cb, args, *p, slots, meta, True, span=span, normed=False, independent=True)
+        graph = stream.end_capture()
+    for _ in range(2):
+        for (c, st), p in zip(start, replayed):
+            p[0][...], p[1][...] = cp.asarray(c), cp.asarray(st)
+        cp.cuda.Device().synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+        for p, q, (c, st) in zip(replayed, eager, start):
+            assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(p, q))
+            assert not np.array_equal(cp.asnumpy(p[1])[2], st[2])  # the commit moved the state
