@@ -82,7 +82,10 @@ __device__ __forceinline__ void cf_trace_event(unsigned long long kind) {
 // kernel has finished and its writes are visible. Nothing may read a predecessor's output before this.
 // Both are no-ops for a kernel launched without the attribute, and compiled out before sm_90.
 // A kernel that has work independent of its predecessor (weights, old K/V) calls the two halves itself and does
-// that work in between; every CTA must still reach pdl_wait() before it exits.
+// that work in between; every CTA must still reach pdl_wait() before it exits: a successor's wait covers only its
+// predecessor, so a kernel that left early would let the successor overtake the kernels in front. The one
+// exception is gdn.cu's gdn_mixer with chained = 0, for a step's last launches that read only the step's inputs
+// (base.Backend.gdn_recurrent_mixer's `independent`).
 __device__ __forceinline__ void pdl_launch_dependents() {
     cf_trace_event(0);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -166,8 +166,9 @@ class Backend(Protocol):
     # 2 Hk dk + Hv dv): causal_conv1d of qkv, gdn_recurrent with a and b, then gated_rms_norm with z and norm_weight
     # [dv]; returns that norm (out_proj's input, [T, Hv dv]), or None if not `normed` (a commit). Its definition is
     # gdn_mixer_in_steps; a backend may compute it in one pass. independent: every input was written before the
-    # step's first op and no op after it in the step reads what it writes (the commit's layers, each on its own tape
-    # rows and states), so a backend may run such calls side by side rather than one after the other.
+    # step's first op, and such calls are the step's last ops (the commit's layers, each on its own tape rows and
+    # states), so a backend may run them side by side rather than one after the other: what an op after them
+    # would read could still be in flight.
     def gdn_recurrent_mixer(self, proj: Any, conv_weight: Any, conv_states: Any, A_log: Any, dt_bias: Any,
                             states: Any, norm_weight: Any, eps: float, slots: Any, meta: AttentionMeta, commit: bool,
                             span: Any | None = None, normed: bool = True, independent: bool = False) -> Any | None: ...
