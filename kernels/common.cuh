@@ -84,7 +84,7 @@ __device__ __forceinline__ void cf_trace_event(unsigned long long kind) {
 // A kernel that has work independent of its predecessor (weights, old K/V) calls the two halves itself and does
 // that work in between; every CTA must still reach pdl_wait() before it exits: a successor's wait covers only its
 // predecessor, so a kernel that left early would let the successor overtake the kernels in front. The one
-// exception is gdn.cu's gdn_mixer with chained = 0, for a step's last launches that read only the step's inputs
+// exception is gdn.cu's gdn_mixer with independent != 0, for a step's last launches that read only the step's inputs
 // (base.Backend.gdn_recurrent_mixer's `independent`).
 __device__ __forceinline__ void pdl_launch_dependents() {
     cf_trace_event(0);

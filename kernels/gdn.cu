@@ -43,8 +43,8 @@
 //   registers across stages. The R CTAs of a cluster read the same q / k conv states: at commit rank 0 writes them,
 //   after a cluster barrier that each CTA arrives at once its windows are loaded (v channels and the recurrent
 //   state belong to one CTA alone). Under PDL the windows and the state are read before griddepcontrol.wait: slots
-//   [n] is a step input, and only this layer's mixer writes its states, in an earlier launch. chained = 0 (a
-//   commit's layers, whose inputs all predate the step) skips the wait: those launches run side by side.
+//   [n] is a step input, and only this layer's mixer writes its states, in an earlier launch. independent != 0
+//   (a commit's layers, whose inputs all predate the step) skips the wait: those launches run side by side.
 // gated_rms_norm<X, Z>: out[t, h D + i] = w[i] x[t, h D + i] rsqrt(mean_i x^2 + eps) silu(z[t, h D + i]); x, z
 //   [T, H D] X / Z with row strides sx, sz; w [D] float32; out [T, H D] bf16 contiguous. One warp per (row, head).
 // sigmoid_gate<X, G>: out = x sigmoid(gate); x, gate [T, W] with row strides; out [T, W] bf16. A thread per element.
@@ -323,7 +323,7 @@ __global__ void __launch_bounds__(MIX_WARPS * 32) gdn_mixer(
         const float* __restrict__ A_log, const float* __restrict__ dt_bias, float* __restrict__ states,
         const float* __restrict__ norm_w, float eps, const int* __restrict__ slots, const int* __restrict__ cu,
         const int* __restrict__ span, int spanned, bf16* __restrict__ out, int normed, int HK, int HV, int DV,
-        float qscale, int commit, int chained) {
+        float qscale, int commit, int independent) {
     constexpr int RPL = DK / 4;
     constexpr int KROW = DK + 16;  // gdn_recurrent's staged q / k row: a lane group's RPL values padded by 4 floats
     constexpr int EPL = (DK + 31) / 32;
@@ -361,7 +361,7 @@ __global__ void __launch_bounds__(MIX_WARPS * 32) gdn_mixer(
     float st[RPL];
 #pragma unroll
     for (int i = 0; i < RPL; ++i) st[i] = col && live_slot ? S[(long long)(grp * RPL + i) * DV + j] : 0.f;
-    if (chained) pdl_wait();
+    if (!independent) pdl_wait();
     const int start = cu[s], seq_rows = cu[s + 1] - start;
     const int first = spanned ? span[s] : 0, len = spanned ? span[gridDim.z + s] : seq_rows;
     const int lo = start + first;

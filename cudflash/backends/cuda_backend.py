@@ -765,7 +765,7 @@ class CudaBackend:
                             independent: bool = False) -> cupy.ndarray | None:
         args = (proj, conv_weight, conv_states, A_log, dt_bias, states, norm_weight, eps, slots, meta, commit)
         if self.tuning.gdn_fused_mixer and cuda_gdn.mixer_fits(proj, conv_weight, states):
-            return cuda_gdn.gdn_mixer(*args, normed, self.tuning, span, chained=not independent)
+            return cuda_gdn.gdn_mixer(*args, normed, self.tuning, span, independent)
         return gdn_mixer_in_steps(self, *args, span, normed)
 
     def sigmoid_gate(self, x: cupy.ndarray, gate: cupy.ndarray) -> cupy.ndarray:

@@ -177,11 +177,12 @@ def mixer_fits(proj: cupy.ndarray, conv_weight: cupy.ndarray, states: cupy.ndarr
 def gdn_mixer(proj: cupy.ndarray, conv_weight: cupy.ndarray, conv_states: cupy.ndarray, A_log: cupy.ndarray,
               dt_bias: cupy.ndarray, states: cupy.ndarray, norm_weight: cupy.ndarray, eps: float, slots,
               meta: AttentionMeta, commit: bool, normed: bool, tuning: CudaTuning,
-              span: cupy.ndarray | None = None, chained: bool = True) -> cupy.ndarray | None:
+              span: cupy.ndarray | None = None, independent: bool = False) -> cupy.ndarray | None:
     """base.Backend.gdn_recurrent_mixer in one kernel (mixer_fits says where): proj [T, C + Hv dv + 2 Hv] float32;
     returns the gated norm bf16 [T, Hv dv] (None if not `normed`), the same bits as causal_conv1d, gated_delta_rule
-    and gated_rms_norm in turn. chained=False (an independent call): the kernel skips griddepcontrol.wait, so under
-    PDL consecutive such launches (a commit's layers) overlap instead of each waiting for the one in front."""
+    and gated_rms_norm in turn. independent (base.Backend.gdn_recurrent_mixer's): the kernel skips
+    griddepcontrol.wait, so under PDL consecutive such launches (a commit's layers) overlap instead of each waiting
+    for the one in front."""
     _pool(states, 4, "gdn mixer")
     _pool(conv_states, 3, "gdn mixer conv")
     _, hv, dk, dv = states.shape
@@ -213,7 +214,7 @@ def gdn_mixer(proj: cupy.ndarray, conv_weight: cupy.ndarray, conv_states: cupy.n
             (r, hk, n), (MIX_THREADS,),
             (proj, i64(sp), conv_weight, conv_states, A_log, dt_bias, states, norm_weight, f32(eps), slots, cu, span,
              spanned, out, i32(int(normed)), i32(hk), i32(hv), i32(dv), f32(float(np.float32(dk ** -0.5))),
-             i32(int(commit)), i32(int(chained))),
+             i32(int(commit)), i32(int(independent))),
             cluster=(r, 1, 1) if r > 1 else None)
     return out if normed else None
 
