@@ -116,6 +116,10 @@ __device__ __forceinline__ float swiglu_value(float gate, float up) {
     return gate / (1.f + __expf(-gate)) * up;
 }
 
+// The numpy definitions' sigmoid, 1 / (1 + e^-v), with expf and an IEEE division: the GDN kernels' beta, conv SiLU
+// and gated norm (gdn.cu, gdn_chunk.cu), whose bits the CPU reference and the fused / unfused paths share.
+__device__ __forceinline__ float sigmoid_ieee(float v) { return 1.f / (1.f + expf(-v)); }
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -60,8 +60,6 @@
 
 __device__ __forceinline__ float gdn_f(float v) { return v; }
 __device__ __forceinline__ float gdn_f(bf16 v) { return __bfloat162float(v); }
-// The numpy definitions' sigmoid, 1 / (1 + e^-x), with an IEEE division.
-__device__ __forceinline__ float gdn_sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
 
 // The pieces gdn_mixer shares with the three kernels it fuses, so that both compute the same bits.
 // One conv row: win[K-1] = x, silu(sum_j w[j] win[j]), then the window moves on by a row.
@@ -73,7 +71,7 @@ __device__ __forceinline__ float conv_row(const float (&wc)[K], float (&win)[K],
     for (int j = 0; j < K; ++j) acc += wc[j] * win[j];
 #pragma unroll
     for (int j = 0; j < K - 1; ++j) win[j] = win[j + 1];
-    return acc * gdn_sigmoid(acc);
+    return acc * sigmoid_ieee(acc);
 }
 
 // The staging of one row by its warp (lane l holds q, k elements l + 32 m): q, k L2-normalised (q times qscale)
@@ -106,7 +104,7 @@ __device__ __forceinline__ void stage_row(const float (&qv)[(DK + 31) / 32], con
         const float x = a + dtb;
         const float softplus = x > 20.f ? x : log1pf(expf(x));
         *decay = expf(neg_a * softplus);
-        *beta = gdn_sigmoid(b);
+        *beta = sigmoid_ieee(b);
         *kq = qk * rq * rk * qscale;
     }
 }
@@ -158,7 +156,7 @@ __device__ __forceinline__ void gated_norm_row(const X* xr, const Z* zr, const f
     const float rs = 1.f / sqrtf(ss / (float)D + eps);
     for (int i = lane; i < D; i += 32) {
         const float g = gdn_f(zr[i]);
-        orow[i] = __float2bfloat16_rn(w[i] * ((xr ? gdn_f(xr[i]) : 0.f) * rs) * (g * gdn_sigmoid(g)));
+        orow[i] = __float2bfloat16_rn(w[i] * ((xr ? gdn_f(xr[i]) : 0.f) * rs) * (g * sigmoid_ieee(g)));
     }
 }
 
@@ -461,5 +459,5 @@ __global__ void sigmoid_gate(const X* __restrict__ x, long long sx, const G* __r
     if (i >= (long long)T * W) return;
     const long long t = i / W;
     const int c = (int)(i % W);
-    out[i] = __float2bfloat16_rn(gdn_f(x[t * sx + c]) * gdn_sigmoid(gdn_f(gate[t * sg + c])));
+    out[i] = __float2bfloat16_rn(gdn_f(x[t * sx + c]) * sigmoid_ieee(gdn_f(gate[t * sg + c])));
 }

@@ -43,8 +43,6 @@
 #define GC_ROWS_AT_ONCE 4  // rows a warp of the prepare kernel loads together
 #define GC_PAD 8  // bf16 padding per shared-memory row: strides of an odd multiple of 16 bytes, ldmatrix conflict-free
 
-__device__ __forceinline__ float gc_sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
-
 __device__ __forceinline__ bf16 gc_bf16(float v) { return __float2bfloat16_rn(v); }
 
 // 16-byte async copy global -> shared (both 16-byte aligned).
@@ -131,7 +129,7 @@ __global__ void __launch_bounds__(GC_THREADS) gdn_chunk_prepare(
             const float x = a[t * sa + h] + dtb;
             const float softplus = x > 20.f ? x : log1pf(expf(x));
             g = neg_a * softplus;
-            beta = gc_sigmoid(b[t * sb + h]);
+            beta = sigmoid_ieee(b[t * sb + h]);
         }
         s_g[tid] = g;
         s_beta[tid] = beta;
