@@ -31,6 +31,9 @@
 //   nsplit == 1 path (weight 1, sum 1), so a row's result does not depend on how many splits the grid has.
 //   (The merge stays a separate kernel: merging in the last CTA of each row tile serialises the merge of 64-row
 //   tiles on a few CTAs.)
+// Output gate (gated attention, Qwen3.5): with gated != 0 and gate [T, Hq * D] float32 (row stride sg) the kernel that
+//   writes out (attn_fwd at nsplit == 1, else attn_combine) writes bf16(bf16(o) * sigmoid(gate)) instead of bf16(o):
+//   the bits of gdn.cu's sigmoid_gate over the ungated output (both sigmoid_ieee), without its launch.
 #include "mma.cuh"
 
 #define ATTN_BN 64
@@ -46,6 +49,13 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// Two adjacent output columns, gated by g[0], g[1] (null: ungated), as one bf16 pair.
+__device__ __forceinline__ unsigned pack_out(float lo, float hi, const float* g) {
+    if (!g) return pack_bf16x2(lo, hi);
+    const float a = __bfloat162float(__float2bfloat16_rn(lo)), b = __bfloat162float(__float2bfloat16_rn(hi));
+    return pack_bf16x2(a * sigmoid_ieee(g[0]), b * sigmoid_ieee(g[1]));
+}
+
 // Element offset of (row, 16-byte chunk) in a swizzled [rows][D] bf16 tile.
 template <int D>
 __device__ __forceinline__ int swz(int row, int chunk) {
@@ -59,7 +69,8 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
          const int* __restrict__ block_tables, int max_blocks, int block_size, int Hq, int Hk, float scale,
          int causal, int window, int nsplit, int split_tiles, int T, bf16* __restrict__ out,
          float* __restrict__ o_part, float* __restrict__ lse_part, const int* __restrict__ tree_seq,
-         const int* __restrict__ tree_mask, int tree_words) {
+         const int* __restrict__ tree_mask, int tree_words, const float* __restrict__ gate, long long sg,
+         int gated) {
     // Programmatic dependent launch, split in two: the metadata (staged before the step's first kernel) and the
     // K/V of keys before the first query position (written by earlier steps, never by this forward) may be read
     // before griddepcontrol.wait; q and the new tokens' K/V (the kernel in front writes them) only after it.
@@ -336,10 +347,11 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
         const float inv = l_r[r] > 0.f ? 1.f / l_r[r] : 0.f;
         if (nsplit == 1) {
             bf16* dst = out + (t * Hq + head) * D;
+            const float* g = gated ? gate + t * sg + (long long)head * D : nullptr;
 #pragma unroll
             for (int i = 0; i < NO; ++i)
                 *reinterpret_cast<unsigned*>(dst + i * 8 + 2 * t4) =
-                    pack_bf16x2(o[i][2 * r] * inv, o[i][2 * r + 1] * inv);
+                    pack_out(o[i][2 * r] * inv, o[i][2 * r + 1] * inv, g ? g + i * 8 + 2 * t4 : nullptr);
         } else {
             const long long prow = ((long long)blockIdx.z * T + t) * Hq + head;
             float* dst = o_part + prow * D;
@@ -352,7 +364,8 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
     cf_trace_event(2);  // this CTA's outputs are written (the step timeline)
 }
 
-// attn_combine<D>: out[t, h] = sum_s w_s o_part[s, t, h] / sum_s w_s, w_s = 2^(lse_s - max lse).
+// attn_combine<D>: out[t, h] = sum_s w_s o_part[s, t, h] / sum_s w_s, w_s = 2^(lse_s - max lse) (gated as above:
+// row = t Hq + h).
 // One warp per (t, h) row, D / 32 columns per lane; splits with lse = -inf (no visible key) are skipped,
 // so their unwritten-in-spirit zeros never matter. Lanes hold the lse of splits lane and lane + 32 (nsplit <=
 // 64); the partials of a batch of splits (64 floats per lane: 16 splits at D = 128, all of a decode step's) are
@@ -360,7 +373,8 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
 // waited on each load in turn paid an L2 round trip per split, the lse's included.
 template <int D>
 __global__ void attn_combine(const float* __restrict__ o_part, const float* __restrict__ lse_part,
-                             bf16* __restrict__ out, int rows, int nsplit) {
+                             bf16* __restrict__ out, int rows, int nsplit, const float* __restrict__ gate,
+                             long long sg, int gated, int Hq) {
     pdl_entry();
     constexpr int PER = D / 32;
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -401,7 +415,9 @@ __global__ void attn_combine(const float* __restrict__ o_part, const float* __re
     }
     const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
     bf16* dst = out + (long long)row * D + lane * PER;
+    const float* g = gated ? gate + (long long)(row / Hq) * sg + (long long)(row % Hq) * D + lane * PER : nullptr;
 #pragma unroll
-    for (int e = 0; e < PER; e += 2) *reinterpret_cast<unsigned*>(dst + e) = pack_bf16x2(acc[e] * inv, acc[e + 1] * inv);
+    for (int e = 0; e < PER; e += 2)
+        *reinterpret_cast<unsigned*>(dst + e) = pack_out(acc[e] * inv, acc[e + 1] * inv, g ? g + e : nullptr);
     cf_trace_event(2);
 }

@@ -143,7 +143,14 @@ __device__ __forceinline__ float delta_rule_token(float (&st)[RPL], const float4
 }
 
 // The gated RMSNorm of one head of one row, by a warp (lanes over its D columns): x (nullptr: zeros, the rows numpy
-// leaves 0), z, the weight w.
+// leaves 0), z, the weight w. Lane l sums the squares of columns l, l + 32, .. in that order; gated_norm_scale and
+// gated_norm_value are the rest of the arithmetic, shared with gdn_mixer's form on registers.
+__device__ __forceinline__ float gated_norm_scale(float lane_ss, int D, float eps) {
+    return 1.f / sqrtf(warp_sum(lane_ss) / (float)D + eps);
+}
+__device__ __forceinline__ bf16 gated_norm_value(float w, float x, float rs, float g) {
+    return __float2bfloat16_rn(w * (x * rs) * (g * sigmoid_ieee(g)));
+}
 template <typename X, typename Z>
 __device__ __forceinline__ void gated_norm_row(const X* xr, const Z* zr, const float* __restrict__ w, bf16* orow,
                                                int D, float eps, int lane) {
@@ -152,12 +159,8 @@ __device__ __forceinline__ void gated_norm_row(const X* xr, const Z* zr, const f
         const float v = xr ? gdn_f(xr[i]) : 0.f;
         ss += v * v;
     }
-    ss = warp_sum(ss);
-    const float rs = 1.f / sqrtf(ss / (float)D + eps);
-    for (int i = lane; i < D; i += 32) {
-        const float g = gdn_f(zr[i]);
-        orow[i] = __float2bfloat16_rn(w[i] * ((xr ? gdn_f(xr[i]) : 0.f) * rs) * (g * sigmoid_ieee(g)));
-    }
+    const float rs = gated_norm_scale(ss, D, eps);
+    for (int i = lane; i < D; i += 32) orow[i] = gated_norm_value(w[i], xr ? gdn_f(xr[i]) : 0.f, rs, gdn_f(zr[i]));
 }
 
 template <int K, typename X, typename W>
@@ -345,6 +348,10 @@ __global__ void __launch_bounds__(MIX_WARPS * 32) gdn_mixer(
 #pragma unroll
     for (int q = 0; q < K; ++q) wc[q] = conv_lane ? gdn_f(conv_w[(long long)pcol * K + q]) : 0.f;
     const float neg_a = -expf(A_log[h]), dtb = dt_bias[h];
+    constexpr int NPL = 8 * MIX_WARPS / 32;  // gated-norm columns per lane: l, l + 32, .. (DV <= 8 MIX_WARPS)
+    float nw[NPL];  // the norm weight of those columns
+#pragma unroll
+    for (int m = 0; m < NPL; ++m) nw[m] = lane + 32 * m < DV ? norm_w[lane + 32 * m] : 0.f;
     // The sequence's conv window and recurrent state, requested before the wait so that they arrive under the
     // kernel in front (the in_proj GEMM) instead of after it: the slots are step inputs, copied in before any kernel
     // of the step runs, and a layer's states are written only by this kernel of that layer, in an earlier launch
@@ -377,7 +384,8 @@ __global__ void __launch_bounds__(MIX_WARPS * 32) gdn_mixer(
     for (int base = 0; base < len; base += GDN_ROWS) {
         const int rows = min(GDN_ROWS, len - base);
         if (base > 0) __syncthreads();  // every warp is done with the previous stage
-        // Loads of the stage, all in flight together: the channel's rows; the warp's row's a, b and z.
+        // Loads of the stage, all in flight together: the channel's rows; the warp's row's a, b and z (z is used
+        // only after the token loop: loaded here, its latency passes under the loop).
         float xr[GDN_ROWS];
 #pragma unroll
         for (int i = 0; i < GDN_ROWS; ++i) xr[i] = conv_lane && i < rows ? proj[(lo + base + i) * sp + pcol] : 0.f;
@@ -385,6 +393,9 @@ __global__ void __launch_bounds__(MIX_WARPS * 32) gdn_mixer(
         const long long t = lo + base + (live ? warp : 0);
         const float av = live ? proj[t * sp + C + HV * DV + HV + h] : 0.f;
         const float bv = live ? proj[t * sp + C + HV * DV + h] : 0.f;
+        float zv[NPL];
+#pragma unroll
+        for (int m = 0; m < NPL; ++m) zv[m] = normed && live && lane + 32 * m < DV ? zcol[t * sp + lane + 32 * m] : 0.f;
         // The conv (causal_conv1d's sum and SiLU) of the stage's rows.
 #pragma unroll
         for (int i = 0; i < GDN_ROWS; ++i) {
@@ -420,8 +431,17 @@ __global__ void __launch_bounds__(MIX_WARPS * 32) gdn_mixer(
         }
         if (normed) {
             __syncthreads();  // the stage's o is complete
-            if (live)
-                gated_norm_row(s_o[warp], zcol + t * sp, norm_w, out + t * out_stride + h * DV, DV, eps, lane);
+            if (live) {  // gated_norm_row of row `warp` on the registers
+                float ss = 0.f;
+#pragma unroll
+                for (int m = 0; m < NPL; ++m)
+                    if (lane + 32 * m < DV) ss += s_o[warp][lane + 32 * m] * s_o[warp][lane + 32 * m];
+                const float rs = gated_norm_scale(ss, DV, eps);
+                bf16* orow = out + t * out_stride + h * DV;
+#pragma unroll
+                for (int m = 0; m < NPL; ++m)
+                    if (lane + 32 * m < DV) orow[lane + 32 * m] = gated_norm_value(nw[m], s_o[warp][lane + 32 * m], rs, zv[m]);
+            }
         }
     }
     if (commit) {

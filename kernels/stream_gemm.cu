@@ -414,12 +414,16 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     const unsigned b_res8 = xs + (g < M ? g : 0) * xrow;
     if constexpr (XRES) mbar_wait(xbar, 0);
     if constexpr (XRES && W8) {  // x's resident rows times 2^64, in place, once
+        // 16 bytes per lane and step (rows start 16-byte aligned: xrow = 2 K + 32): this is on the path from the
+        // release to the first MMA, and each step waits for its load.
         for (int m = 0; m < M; ++m)
-            for (int w = threadIdx.x; w < K / 2; w += 32 * CW) {
-                const unsigned at = xs + m * xrow + 4 * w;
-                unsigned v;
-                asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(at));
-                asm volatile("st.shared.u32 [%0], %1;" ::"r"(at), "r"(bf16x2_times_2_64(v)) : "memory");
+            for (int w = threadIdx.x; w < K / 8; w += 32 * CW) {
+                const unsigned at = xs + m * xrow + 16 * w;
+                unsigned v0, v1, v2, v3;
+                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3) : "r"(at));
+                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};"
+                             ::"r"(at), "r"(bf16x2_times_2_64(v0)), "r"(bf16x2_times_2_64(v1)),
+                               "r"(bf16x2_times_2_64(v2)), "r"(bf16x2_times_2_64(v3)) : "memory");
             }
         asm volatile("bar.sync 1, %0;" ::"n"(32 * CW) : "memory");
     }

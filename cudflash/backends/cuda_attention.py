@@ -117,7 +117,10 @@ def choose_splits(base_ctas: int, max_context: int, slots: int) -> int:
 
 
 def attention(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, meta: AttentionMeta, scale: float,
-              causal: bool, window: int, num_sms: int, tuning: CudaTuning) -> cupy.ndarray:
+              causal: bool, window: int, num_sms: int, tuning: CudaTuning,
+              gate: cupy.ndarray | None = None) -> cupy.ndarray:
+    """base.Backend.attention; gate [T, Hq D] (a row-strided view, e.g. the qkvg GEMM's float32 gate columns):
+    applied by the kernel that writes the output (attention.cu's header)."""
     _, block_size, hk, d = k_cache.shape
     if d not in HEAD_DIMS:
         raise BackendError(f"cuda attention: head_dim {d} unsupported (expected one of {HEAD_DIMS})")
@@ -129,6 +132,11 @@ def attention(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, met
     if hq * d != width or hq % hk:
         raise BackendError(f"cuda attention: q width {width} is not a multiple of {hk} KV heads x head_dim {d}")
     out = cupy.empty((t, width), dtype=act_dtype())
+    if gate is not None:
+        if gate.shape != (t, width):
+            raise BackendError(f"cuda attention: gate {gate.shape} for an output of {(t, width)}")
+        if gate.dtype != cupy.float32 or gate.strides[1] != 4 or gate.strides[0] % 4:
+            gate = cupy.ascontiguousarray(gate, dtype=cupy.float32)
     if t == 0:
         return out
     if meta.device is None:
@@ -156,6 +164,9 @@ def attention(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, met
         lse_part = cupy.empty((nsplit, t, hq), dtype=cupy.float32)  # per-split log2-sum-exp
     else:
         o_part = lse_part = cupy.empty((1,), dtype=cupy.float32)  # unused placeholders
+    # (the gate's pointer, row stride, flag) for the kernel that writes out (a placeholder pointer when not gated)
+    ungated = (o_part, i64(0), i32(0))
+    gating = (gate, i64(gate.strides[0] // 4), i32(1)) if gate is not None else ungated
     tree_words = meta.tree_mask.shape[1] if meta.tree_mask is not None else 0
     if tree_words and dm.tree_mask is None:
         raise BackendError("cuda attention: draft-tree masks are on the host only (prepare_meta did not upload them)")
@@ -164,10 +175,11 @@ def attention(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, met
           i32(dm.block_tables.shape[1]), i32(block_size), i32(hq), i32(hk), f32(scale), i32(1 if causal else 0),
           i32(max(0, int(window))), i32(nsplit), i32(split_tiles), i32(t), out, o_part, lse_part,
           dm.tree_seq if tree_words else dm.cu_seqlens, dm.tree_mask if tree_words else dm.cu_seqlens,
-          i32(tree_words)),
+          i32(tree_words), *(gating if nsplit == 1 else ungated)),
          shared_mem=smem)
     if nsplit > 1:
         rows = t * hq
         combine = kernel_loader.function("attention", f"attn_combine<{d}>", _layouts(d), tuning=tuning)
-        combine((cdiv(rows, THREADS // 32),), (THREADS,), (o_part, lse_part, out, i32(rows), i32(nsplit)))
+        combine((cdiv(rows, THREADS // 32),), (THREADS,),
+                (o_part, lse_part, out, i32(rows), i32(nsplit), *gating, i32(hq)))
     return out

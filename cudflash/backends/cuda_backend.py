@@ -608,8 +608,8 @@ class CudaBackend:
              q_out if q_out is not None else x, k_cache, v_cache, i32(t), i32(q_heads), i32(kv_heads), f32(eps)))
 
     def attention(self, q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, meta: AttentionMeta,
-                  scale: float, causal: bool, window: int = 0) -> cupy.ndarray:
-        return _attention(q, k_cache, v_cache, meta, scale, causal, window, self.num_sms, self.tuning)
+                  scale: float, causal: bool, window: int = 0, gate: cupy.ndarray | None = None) -> cupy.ndarray:
+        return _attention(q, k_cache, v_cache, meta, scale, causal, window, self.num_sms, self.tuning, gate)
 
     def argmax(self, x: cupy.ndarray, nonfinite: int = -1) -> cupy.ndarray:
         x = as_rows(x)

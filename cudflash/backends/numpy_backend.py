@@ -143,7 +143,8 @@ class NumpyBackend:
             return None
         return self.head_norm_rope(x[:, :q_dim], head_dim, positions, cos, sin, q_norm, eps)
 
-    def attention(self, q, k_cache, v_cache, meta: AttentionMeta, scale: float, causal: bool, window: int = 0):
+    def attention(self, q, k_cache, v_cache, meta: AttentionMeta, scale: float, causal: bool, window: int = 0,
+                  gate=None):
         _, block_size, kv_heads, head_dim = k_cache.shape
         t = q.shape[0]
         q_heads = q.shape[1] // head_dim
@@ -181,7 +182,8 @@ class NumpyBackend:
             mixed = probs.reshape(kv_heads, group * n, ctx) @ vals.transpose(1, 0, 2)  # [Hk, G q, D]
             out[lo:hi] = mixed.reshape(kv_heads, group, n, head_dim).transpose(2, 0, 1, 3).reshape(n, q_heads,
                                                                                                  head_dim)
-        return out.reshape(t, q_heads * head_dim)
+        out = out.reshape(t, q_heads * head_dim)
+        return out if gate is None else self.sigmoid_gate(out, gate)
 
     def copy_slots(self, cache: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
         """cache [layers, blocks, block_size, ...]: every layer's entries at slots `src` copied to slots `dst` (all

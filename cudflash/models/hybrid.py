@@ -259,9 +259,9 @@ class HybridTargetModel:
                 q = b.rope_store(qkvg[:, : self.qkv_width], cfg.num_heads, batch.positions, self.rope_cos,
                                  self.rope_sin, layer.q_norm, layer.k_norm, eps, batch.slots, cache.kv.k[n_full],
                                  cache.kv.v[n_full])
-                attn = b.attention(q, cache.kv.k[n_full], cache.kv.v[n_full], batch.meta, self.scale, causal=True)
+                attn = b.attention(q, cache.kv.k[n_full], cache.kv.v[n_full], batch.meta, self.scale, causal=True,
+                                   gate=qkvg[:, self.qkv_width:])
                 n_full += 1
-                attn = b.sigmoid_gate(attn, qkvg[:, self.qkv_width:])
                 hidden, residual = b.linear_add_rms_norm(attn, layer.o_proj, None, residual, layer.post_norm, eps)
             act = b.swiglu(hidden, layer.gate_up)
             if i < last:

@@ -431,6 +431,35 @@ def test_attention_big_blocks(cb, rng):
     run_attention(cb, rng, 128, 2, 4, [16, 7], [600, 300], False, 0, block_size=256)
 
 
+@pytest.mark.parametrize("q_lens,ctx_lens", [([1, 16], [512, 40]), ([300], [300]), ([1], [5000])],
+                         ids=["decode-verify-splits", "prefill-one-split", "long-context"])
+@pytest.mark.parametrize("d", [128, 256])
+def test_gated_attention_is_the_gate_op_after_attention_bit_for_bit(cb, rng, q_lens, ctx_lens, d):
+    """attention(..., gate=) applies the gate in the kernel that writes the output (attn_fwd without splits,
+    attn_combine with them): the bits of sigmoid_gate over the ungated output, the gate a float32 row-strided view
+    as the qkvg GEMM's output gives it; and against numpy's attention + gate."""
+    hk, group = 2, 4
+    kc, vc, tables = make_paged(rng, d, hk, q_lens, ctx_lens)
+    t, width = sum(q_lens), hk * group * d
+    q = rnd(rng, t, width)
+    wide = (rng.standard_normal((t, width + 24)) * 2).astype(np.float32)  # the gate columns of a wider row
+    scale = d ** -0.5
+    host_meta = build_meta(q_lens, ctx_lens, tables)
+    dq, dk, dv = cb.asarray(q, "act"), cb.asarray(kc, "act"), cb.asarray(vc, "act")
+    gate = cp.asarray(wide)[:, 24:]
+    for num_sms in (cb.num_sms, 1):  # the splits as chosen, and the fewest
+        meta = cb.prepare_meta(build_meta(q_lens, ctx_lens, tables))
+        plain = cuda_attention.attention(dq, dk, dv, meta, scale, True, 0, num_sms=num_sms, tuning=cb.tuning)
+        poison_pool(t * width * 2)
+        gated = cuda_attention.attention(dq, dk, dv, meta, scale, True, 0, num_sms=num_sms, tuning=cb.tuning,
+                                         gate=gate)
+        want = cb.sigmoid_gate(plain, gate)
+        assert np.array_equal(cp.asnumpy(bits(gated)), cp.asnumpy(bits(want)))
+        assert not np.array_equal(cp.asnumpy(bits(gated)), cp.asnumpy(bits(plain)))
+    ref = nb.attention(q, kc, vc, host_meta, scale, True, 0, gate=wide[:, 24:])
+    check(cb.to_numpy(gated), ref)
+
+
 @pytest.mark.parametrize("d,group,window", [(128, 4, 0), (64, 3, 0), (128, 8, 100)])
 def test_verify_rows_equal_decode_bitwise(cb, rng, d, group, window):
     """A verify pass of 16 tokens gives every row exactly the bits of decoding that token alone, whatever
