@@ -56,6 +56,7 @@ import cupy
 import numpy as np
 
 from cudflash.backends.cuda_attention import batch_bucket, context_bucket
+from cudflash.engine.graph_capture import capture
 from cudflash.engine.model_runner import CommitRun
 from cudflash.engine.proposal import HeadOutputs, HeadRows, Proposal
 from cudflash.engine.scheduler import StepPlan
@@ -285,9 +286,7 @@ class StepGraphs:
         it."""
         with warm_up:
             fn(*args)
-        self.stream.begin_capture()
-        out = fn(*args)
-        graph = self.stream.end_capture()
+        graph, out = capture(self.stream, fn, *args)
         graph.upload(self.stream)
         return graph, out
 
