@@ -31,9 +31,10 @@
 //   nsplit == 1 path (weight 1, sum 1), so a row's result does not depend on how many splits the grid has.
 //   (The merge stays a separate kernel: merging in the last CTA of each row tile serialises the merge of 64-row
 //   tiles on a few CTAs.)
-// Output gate (gated attention, Qwen3.5): with gated != 0 and gate [T, Hq * D] float32 (row stride sg) the kernel that
-//   writes out (attn_fwd at nsplit == 1, else attn_combine) writes bf16(bf16(o) * sigmoid(gate)) instead of bf16(o):
-//   the bits of gdn.cu's sigmoid_gate over the ungated output (both sigmoid_ieee), without its launch.
+// Output gate (gated attention, Qwen3.5): in the GATED instantiations, with gate [T, Hq * D] float32 (row stride
+//   sg), the kernel that writes out (attn_fwd at nsplit == 1, else attn_combine) writes bf16(bf16(o) *
+//   sigmoid(gate)) instead of bf16(o): the bits of gdn.cu's sigmoid_gate over the ungated output (both
+//   sigmoid_ieee), without its launch. The ungated instantiations compile to the kernels without the gate.
 #include "mma.cuh"
 
 #define ATTN_BN 64
@@ -49,11 +50,15 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// Two adjacent output columns, gated by g[0], g[1] (null: ungated), as one bf16 pair.
+// Two adjacent output columns, gated by g[0], g[1] (GATED), as one bf16 pair.
+template <bool GATED>
 __device__ __forceinline__ unsigned pack_out(float lo, float hi, const float* g) {
-    if (!g) return pack_bf16x2(lo, hi);
-    const float a = __bfloat162float(__float2bfloat16_rn(lo)), b = __bfloat162float(__float2bfloat16_rn(hi));
-    return pack_bf16x2(a * sigmoid_ieee(g[0]), b * sigmoid_ieee(g[1]));
+    if constexpr (GATED) {
+        const float a = __bfloat162float(__float2bfloat16_rn(lo)), b = __bfloat162float(__float2bfloat16_rn(hi));
+        return pack_bf16x2(a * sigmoid_ieee(g[0]), b * sigmoid_ieee(g[1]));
+    } else {
+        return pack_bf16x2(lo, hi);
+    }
 }
 
 // Element offset of (row, 16-byte chunk) in a swizzled [rows][D] bf16 tile.
@@ -62,15 +67,14 @@ __device__ __forceinline__ int swz(int row, int chunk) {
     return row * D + ((chunk ^ (row & 7)) << 3);
 }
 
-template <int D, int WM, int WN>
+template <int D, int WM, int WN, bool GATED>
 __global__ void __launch_bounds__(ATTN_THREADS)
 attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_cache,
          const bf16* __restrict__ v_cache, const int* __restrict__ cu_seqlens, const int* __restrict__ context_lens,
          const int* __restrict__ block_tables, int max_blocks, int block_size, int Hq, int Hk, float scale,
          int causal, int window, int nsplit, int split_tiles, int T, bf16* __restrict__ out,
          float* __restrict__ o_part, float* __restrict__ lse_part, const int* __restrict__ tree_seq,
-         const int* __restrict__ tree_mask, int tree_words, const float* __restrict__ gate, long long sg,
-         int gated) {
+         const int* __restrict__ tree_mask, int tree_words, const float* __restrict__ gate, long long sg) {
     // Programmatic dependent launch, split in two: the metadata (staged before the step's first kernel) and the
     // K/V of keys before the first query position (written by earlier steps, never by this forward) may be read
     // before griddepcontrol.wait; q and the new tokens' K/V (the kernel in front writes them) only after it.
@@ -347,11 +351,11 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
         const float inv = l_r[r] > 0.f ? 1.f / l_r[r] : 0.f;
         if (nsplit == 1) {
             bf16* dst = out + (t * Hq + head) * D;
-            const float* g = gated ? gate + t * sg + (long long)head * D : nullptr;
+            const float* g = gate + t * sg + (long long)head * D;  // read only if GATED
 #pragma unroll
             for (int i = 0; i < NO; ++i)
                 *reinterpret_cast<unsigned*>(dst + i * 8 + 2 * t4) =
-                    pack_out(o[i][2 * r] * inv, o[i][2 * r + 1] * inv, g ? g + i * 8 + 2 * t4 : nullptr);
+                    pack_out<GATED>(o[i][2 * r] * inv, o[i][2 * r + 1] * inv, g + i * 8 + 2 * t4);
         } else {
             const long long prow = ((long long)blockIdx.z * T + t) * Hq + head;
             float* dst = o_part + prow * D;
@@ -364,17 +368,17 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
     cf_trace_event(2);  // this CTA's outputs are written (the step timeline)
 }
 
-// attn_combine<D>: out[t, h] = sum_s w_s o_part[s, t, h] / sum_s w_s, w_s = 2^(lse_s - max lse) (gated as above:
+// attn_combine<D, GATED>: out[t, h] = sum_s w_s o_part[s, t, h] / sum_s w_s, w_s = 2^(lse_s - max lse) (gated as above:
 // row = t Hq + h).
 // One warp per (t, h) row, D / 32 columns per lane; splits with lse = -inf (no visible key) are skipped,
 // so their unwritten-in-spirit zeros never matter. Lanes hold the lse of splits lane and lane + 32 (nsplit <=
 // 64); the partials of a batch of splits (64 floats per lane: 16 splits at D = 128, all of a decode step's) are
 // loaded at once before they are added in split order, the first batch's together with the lse: a loop that
 // waited on each load in turn paid an L2 round trip per split, the lse's included.
-template <int D>
+template <int D, bool GATED>
 __global__ void attn_combine(const float* __restrict__ o_part, const float* __restrict__ lse_part,
                              bf16* __restrict__ out, int rows, int nsplit, const float* __restrict__ gate,
-                             long long sg, int gated, int Hq) {
+                             long long sg, int Hq) {
     pdl_entry();
     constexpr int PER = D / 32;
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -415,9 +419,9 @@ __global__ void attn_combine(const float* __restrict__ o_part, const float* __re
     }
     const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
     bf16* dst = out + (long long)row * D + lane * PER;
-    const float* g = gated ? gate + (long long)(row / Hq) * sg + (long long)(row % Hq) * D + lane * PER : nullptr;
+    const float* g = gate + (long long)(row / Hq) * sg + (long long)(row % Hq) * D + lane * PER;  // read only if GATED
 #pragma unroll
     for (int e = 0; e < PER; e += 2)
-        *reinterpret_cast<unsigned*>(dst + e) = pack_out(acc[e] * inv, acc[e + 1] * inv, g ? g + e : nullptr);
+        *reinterpret_cast<unsigned*>(dst + e) = pack_out<GATED>(acc[e] * inv, acc[e + 1] * inv, g + e);
     cf_trace_event(2);
 }

@@ -55,12 +55,17 @@ def upload_meta(meta: AttentionMeta) -> DeviceMeta:
                       up(meta.tree_mask))
 
 
-def _layouts(d: int) -> tuple[str, ...]:
-    return (f"attn_fwd<{d}, 4, 1>", f"attn_fwd<{d}, 2, 2>", f"attn_fwd<{d}, 1, 4>", f"attn_combine<{d}>")
+def _layouts(d: int, gated: bool) -> tuple[str, ...]:
+    """One module per (head_dim, gated): a model without the output gate compiles only the ungated kernels."""
+    g = "true" if gated else "false"
+    return (f"attn_fwd<{d}, 4, 1, {g}>", f"attn_fwd<{d}, 2, 2, {g}>", f"attn_fwd<{d}, 1, 4, {g}>",
+            f"attn_combine<{d}, {g}>")
 
 
-def _forward_kernel(d: int, wm: int, wn: int, smem: int, tuning: CudaTuning) -> kernel_loader.Kernel:
-    kern = kernel_loader.function("attention", f"attn_fwd<{d}, {wm}, {wn}>", _layouts(d), tuning=tuning)
+def _forward_kernel(d: int, wm: int, wn: int, gated: bool, smem: int, tuning: CudaTuning) -> kernel_loader.Kernel:
+    names = _layouts(d, gated)
+    kern = kernel_loader.function("attention", names[[(4, 1), (2, 2), (1, 4)].index((wm, wn))], names,
+                                  tuning=tuning)
     if smem > 48 * 1024:
         kern.reserve_shared(smem)  # opt in to more than the default 48 KiB
     return kern
@@ -154,7 +159,7 @@ def attention(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, met
         split_tiles = 0
     qtiles = cdiv(meta.max_q_len * group, 16 * wm)
     smem = (16 * wm * d + 4 * BN * d) * 2  # Q tile + double-buffered K and V tiles, bf16
-    kern = _forward_kernel(d, wm, wn, smem, tuning)
+    kern = _forward_kernel(d, wm, wn, gate is not None, smem, tuning)
     if not split_tiles:
         nsplit = choose_splits(qtiles * (batch_bucket(n) or n) * hk, ctx_bucket, num_sms * ctas_per_sm(kern, smem))
     if nsplit > MAX_SPLITS:
@@ -164,9 +169,8 @@ def attention(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, met
         lse_part = cupy.empty((nsplit, t, hq), dtype=cupy.float32)  # per-split log2-sum-exp
     else:
         o_part = lse_part = cupy.empty((1,), dtype=cupy.float32)  # unused placeholders
-    # (the gate's pointer, row stride, flag) for the kernel that writes out (a placeholder pointer when not gated)
-    ungated = (o_part, i64(0), i32(0))
-    gating = (gate, i64(gate.strides[0] // 4), i32(1)) if gate is not None else ungated
+    # the gate's pointer and row stride (a placeholder pointer for the ungated kernels, which never read it)
+    gating = (gate, i64(gate.strides[0] // 4)) if gate is not None else (o_part, i64(0))
     tree_words = meta.tree_mask.shape[1] if meta.tree_mask is not None else 0
     if tree_words and dm.tree_mask is None:
         raise BackendError("cuda attention: draft-tree masks are on the host only (prepare_meta did not upload them)")
@@ -175,11 +179,12 @@ def attention(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, met
           i32(dm.block_tables.shape[1]), i32(block_size), i32(hq), i32(hk), f32(scale), i32(1 if causal else 0),
           i32(max(0, int(window))), i32(nsplit), i32(split_tiles), i32(t), out, o_part, lse_part,
           dm.tree_seq if tree_words else dm.cu_seqlens, dm.tree_mask if tree_words else dm.cu_seqlens,
-          i32(tree_words), *(gating if nsplit == 1 else ungated)),
+          i32(tree_words), *gating),
          shared_mem=smem)
     if nsplit > 1:
         rows = t * hq
-        combine = kernel_loader.function("attention", f"attn_combine<{d}>", _layouts(d), tuning=tuning)
+        names = _layouts(d, gate is not None)
+        combine = kernel_loader.function("attention", names[-1], names, tuning=tuning)
         combine((cdiv(rows, THREADS // 32),), (THREADS,),
                 (o_part, lse_part, out, i32(rows), i32(nsplit), *gating, i32(hq)))
     return out
