@@ -37,7 +37,8 @@ Rules kept here: every buffer a graph touches is allocated before capture or dur
 private to that step's graphs, and is kept alive with them (graphs of two steps sharing a pool overwrite each
 other's live outputs); each shape is run once eagerly before capture so that kernels are compiled and cuBLAS has
 chosen its algorithms (the warm-ups write the KV slots the replay writes next, with the same values); nothing inside
-a capture copies between host and device or synchronises.
+a capture copies between host and device or synchronises (nor the cycle collector, whose frees of earlier
+engines' memory would: graph_capture.py).
 
 Memory: a captured step keeps its pool (float32 logits [padded batch x block, V] and the forward's activations:
 hundreds of MB for an 8B target at batch 32) for as long as it lives, and the context and batch buckets can take
