@@ -368,8 +368,8 @@ attn_fwd(const bf16* __restrict__ q, long long sq, const bf16* __restrict__ k_ca
     cf_trace_event(2);  // this CTA's outputs are written (the step timeline)
 }
 
-// attn_combine<D, GATED>: out[t, h] = sum_s w_s o_part[s, t, h] / sum_s w_s, w_s = 2^(lse_s - max lse) (gated as above:
-// row = t Hq + h).
+// attn_combine<D, GATED>: out[t, h] = sum_s w_s o_part[s, t, h] / sum_s w_s, w_s = 2^(lse_s - max lse) (gated as
+// above: row = t Hq + h).
 // One warp per (t, h) row, D / 32 columns per lane; splits with lse = -inf (no visible key) are skipped,
 // so their unwritten-in-spirit zeros never matter. Lanes hold the lse of splits lane and lane + 32 (nsplit <=
 // 64); the partials of a batch of splits (64 floats per lane: 16 splits at D = 128, all of a decode step's) are

@@ -55,17 +55,19 @@ def upload_meta(meta: AttentionMeta) -> DeviceMeta:
                       up(meta.tree_mask))
 
 
+WARP_LAYOUTS = ((4, 1), (2, 2), (1, 4))  # (WM, WN) of the attn_fwd instantiations
+
+
 def _layouts(d: int, gated: bool) -> tuple[str, ...]:
-    """One module per (head_dim, gated): a model without the output gate compiles only the ungated kernels."""
+    """attn_fwd of each WARP_LAYOUTS entry, then attn_combine: one module per (head_dim, gated), so a model without
+    the output gate compiles only the ungated kernels."""
     g = "true" if gated else "false"
-    return (f"attn_fwd<{d}, 4, 1, {g}>", f"attn_fwd<{d}, 2, 2, {g}>", f"attn_fwd<{d}, 1, 4, {g}>",
-            f"attn_combine<{d}, {g}>")
+    return (*(f"attn_fwd<{d}, {wm}, {wn}, {g}>" for wm, wn in WARP_LAYOUTS), f"attn_combine<{d}, {g}>")
 
 
 def _forward_kernel(d: int, wm: int, wn: int, gated: bool, smem: int, tuning: CudaTuning) -> kernel_loader.Kernel:
     names = _layouts(d, gated)
-    kern = kernel_loader.function("attention", names[[(4, 1), (2, 2), (1, 4)].index((wm, wn))], names,
-                                  tuning=tuning)
+    kern = kernel_loader.function("attention", names[WARP_LAYOUTS.index((wm, wn))], names, tuning=tuning)
     if smem > 48 * 1024:
         kern.reserve_shared(smem)  # opt in to more than the default 48 KiB
     return kern
@@ -137,7 +139,8 @@ def attention(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, met
     if hq * d != width or hq % hk:
         raise BackendError(f"cuda attention: q width {width} is not a multiple of {hk} KV heads x head_dim {d}")
     out = cupy.empty((t, width), dtype=act_dtype())
-    if gate is not None:
+    gated = gate is not None
+    if gated:
         if gate.shape != (t, width):
             raise BackendError(f"cuda attention: gate {gate.shape} for an output of {(t, width)}")
         if gate.dtype != cupy.float32 or gate.strides[1] != 4 or gate.strides[0] % 4:
@@ -159,7 +162,7 @@ def attention(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, met
         split_tiles = 0
     qtiles = cdiv(meta.max_q_len * group, 16 * wm)
     smem = (16 * wm * d + 4 * BN * d) * 2  # Q tile + double-buffered K and V tiles, bf16
-    kern = _forward_kernel(d, wm, wn, gate is not None, smem, tuning)
+    kern = _forward_kernel(d, wm, wn, gated, smem, tuning)
     if not split_tiles:
         nsplit = choose_splits(qtiles * (batch_bucket(n) or n) * hk, ctx_bucket, num_sms * ctas_per_sm(kern, smem))
     if nsplit > MAX_SPLITS:
@@ -170,7 +173,7 @@ def attention(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, met
     else:
         o_part = lse_part = cupy.empty((1,), dtype=cupy.float32)  # unused placeholders
     # the gate's pointer and row stride (a placeholder pointer for the ungated kernels, which never read it)
-    gating = (gate, i64(gate.strides[0] // 4)) if gate is not None else (o_part, i64(0))
+    gating = (gate, i64(gate.strides[0] // 4)) if gated else (o_part, i64(0))
     tree_words = meta.tree_mask.shape[1] if meta.tree_mask is not None else 0
     if tree_words and dm.tree_mask is None:
         raise BackendError("cuda attention: draft-tree masks are on the host only (prepare_meta did not upload them)")
@@ -183,7 +186,7 @@ def attention(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, met
          shared_mem=smem)
     if nsplit > 1:
         rows = t * hq
-        names = _layouts(d, gate is not None)
+        names = _layouts(d, gated)
         combine = kernel_loader.function("attention", names[-1], names, tuning=tuning)
         combine((cdiv(rows, THREADS // 32),), (THREADS,),
                 (o_part, lse_part, out, i32(rows), i32(nsplit), *gating, i32(hq)))
