@@ -113,8 +113,10 @@ class Backend(Protocol):
     # add_rms_norm(linear(x, weight, bias), residual, norm_weight, eps) in one op: (normed, new residual). The
     # normed rows may be a DeferredNorm (always on the numpy backend; on the CUDA backend where the GEMM streams, which
     # then defers their row scale into the next GEMM): give them to `linear` or `swiglu` and nothing else.
+    # prefetch_all: the kernels in front (attention, a GDN mixer) leave HBM idle, so the GEMM may request its weight
+    # before it waits for them (a hint: the result is the same).
     def linear_add_rms_norm(self, x: Any, weight: Any, bias: Any | None, residual: Any, norm_weight: Any,
-                            eps: float) -> tuple[Any, Any]: ...
+                            eps: float, prefetch_all: bool = False) -> tuple[Any, Any]: ...
     # The MLP's first half: silu(x @ gate.T) * (x @ up.T), [T, H] -> [T, I], with x as `linear` takes it. Its weight
     # comes from gate_up_weight(gate [I, H], up [I, H]), in a row order the backend chooses ([2I, H]; the CUDA
     # backend interleaves the two so the GEMM's epilogue applies the SwiGLU).

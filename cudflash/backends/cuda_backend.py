@@ -318,7 +318,7 @@ class CudaBackend:
         return out.reshape(shape), res_out.reshape(shape)
 
     def linear_add_rms_norm(self, x: cupy.ndarray, weight: cupy.ndarray, bias: cupy.ndarray | None,
-                            residual: cupy.ndarray, norm_weight: cupy.ndarray, eps: float):
+                            residual: cupy.ndarray, norm_weight: cupy.ndarray, eps: float, prefetch_all: bool = False):
         """See base.Backend.linear_add_rms_norm. Where the weight streams (stream_gemm.usable), one launch: the
         GEMM's epilogue adds the residual and leaves a DeferredNorm with its partial form for the next GEMM, so no
         RMSNorm kernel (and no wait on one) sits between the two; else the GEMM and the fused add + RMSNorm kernel."""
@@ -333,7 +333,7 @@ class CudaBackend:
         if bias is None and x.dtype == self.act and residual.dtype == cupy.float32 and residual.flags.c_contiguous \
                 and residual.shape == (m, n) and norm_weight.shape == (n,) and fusable:
             return stream_gemm.add_norm(self._gemm_rows(rows, True), weight, residual, norm_weight, eps, self.num_sms,
-                                        self.tuning)
+                                        self.tuning, prefetch_all)
         return self.add_rms_norm(self.linear(x, weight, bias, out_f32=True), residual, norm_weight, eps)
 
     def _gemm_rows(self, x: cupy.ndarray, streamed: bool) -> cupy.ndarray:

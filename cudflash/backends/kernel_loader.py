@@ -37,8 +37,10 @@ def module(name: str, name_expressions: tuple[str, ...] = (), *, tuning: CudaTun
 class Kernel:
     """A compiled kernel, called like a RawKernel: `kernel(grid, block, args, shared_mem=0)`."""
 
-    def __init__(self, raw: cupy.RawKernel, use_pdl: bool) -> None:
+    def __init__(self, raw: cupy.RawKernel, use_pdl: bool, carveout: int = -1) -> None:
         self.raw = raw  # the CuPy kernel: attributes, dynamic shared memory opt-in
+        if carveout >= 0:
+            raw.preferred_shared_memory_carveout = carveout  # the tuning's shared_memory_carveout
         self.use_pdl = use_pdl  # the tuning's `pdl`
         self._shared = 0  # the dynamic shared memory opted in to so far (bytes)
 
@@ -66,10 +68,11 @@ class Kernel:
 
 @functools.cache
 def _function(name: str, kernel: str, name_expressions: tuple[str, ...], kernel_dir: str | None,
-              options: tuple[str, ...], use_pdl: bool) -> Kernel:
-    return Kernel(_module(name, name_expressions, kernel_dir, options).get_function(kernel), use_pdl)
+              options: tuple[str, ...], use_pdl: bool, carveout: int) -> Kernel:
+    return Kernel(_module(name, name_expressions, kernel_dir, options).get_function(kernel), use_pdl, carveout)
 
 
 def function(name: str, kernel: str, name_expressions: tuple[str, ...] = (), *, tuning: CudaTuning) -> Kernel:
     """One kernel of `<name>.cu`: an `extern "C"` name, or one of `name_expressions` (templates)."""
-    return _function(name, kernel, tuple(name_expressions), tuning.kernel_dir, tuning.nvrtc_options, tuning.pdl)
+    return _function(name, kernel, tuple(name_expressions), tuning.kernel_dir, tuning.nvrtc_options, tuning.pdl,
+                     tuning.shared_memory_carveout)

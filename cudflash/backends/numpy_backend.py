@@ -102,7 +102,8 @@ class NumpyBackend:
         return y + bias if bias is not None else y
 
     def linear_add_rms_norm(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, residual: np.ndarray,
-                            norm_weight: np.ndarray, eps: float) -> tuple[DeferredNorm, np.ndarray]:
+                            norm_weight: np.ndarray, eps: float,
+                            prefetch_all: bool = False) -> tuple[DeferredNorm, np.ndarray]:
         normed, residual = self.add_rms_norm(self.linear(x, weight, bias), residual, norm_weight, eps)
         return DeferredNorm(residual, norm_weight, eps, plain=normed), residual
 

@@ -55,7 +55,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cupy
 
@@ -258,6 +258,17 @@ def launch_plan(m: int, n: int, k: int, num_sms: int, bits: int, tuning: CudaTun
     return wide_plan(n, k, num_sms, bits, _warps(bits, tuning), nt, tuning.stream_gemm_split)
 
 
+def prefetch_plan(plan: Plan, x_bytes: int | None, smem: int) -> Plan:
+    """The plan of a launch behind kernels that leave HBM idle (attention, the GDN mixer): the same blocks and grid
+    (so the same sums and bits), the ring as deep as `smem` allows (at most 16 stages: the kernel's barriers), to
+    be requested in full before the wait. Wide and split plans are kept as they are."""
+    if plan.nt > 2 or plan.split:
+        return plan
+    room = smem - Plan.fixed_bytes(plan.t, plan.warps, plan.nt) - (x_bytes or 0)
+    stages = min(16, room // Plan.stage_bytes(plan.t, x_bytes is not None, plan.bits, plan.nt))
+    return replace(plan, stages=max(plan.stages, stages))
+
+
 _SMEM_PER_SM, _SMEM_PER_BLOCK_OPTIN = 81, 97  # cudaDeviceAttr values
 
 
@@ -437,16 +448,17 @@ def stream_gemm(x: cupy.ndarray, w: Weight, y: cupy.ndarray, num_sms: int, tunin
 
 
 def add_norm(x: cupy.ndarray, w: Weight, residual: cupy.ndarray, norm_w: cupy.ndarray,
-             eps: float, num_sms: int, tuning: CudaTuning) -> tuple[DeferredNorm, cupy.ndarray]:
+             eps: float, num_sms: int, tuning: CudaTuning,
+             prefetch_all: bool = False) -> tuple[DeferredNorm, cupy.ndarray]:
     """(rms_norm(r) * norm_w deferred, r) with r = residual + x @ w.T, float32 [M, N]; residual contiguous float32
-    [M, N], norm_w bf16 [N]."""
+    [M, N], norm_w bf16 [N]. prefetch_all: the kernels in front leave HBM idle (prefetch_plan)."""
     m, n = x.shape[0], w.shape[0]
     parts = weight_plan(n, w.shape[1], num_sms, weight_bits(w), tuning).grid  # <= MAX_PARTS: checked
     r = cupy.empty((m, n), dtype=cupy.float32)
     normed = cupy.empty((m, n), dtype=x.dtype)
     ssq = cupy.empty((parts, MAX_ROWS), dtype=cupy.float32)
     _launch(x, w, r, num_sms, tuning, ADD_NORM,
-            Epilogue(residual.data.ptr, norm_w.data.ptr, normed.data.ptr, ssq.data.ptr))
+            Epilogue(residual.data.ptr, norm_w.data.ptr, normed.data.ptr, ssq.data.ptr), prefetch_all=prefetch_all)
     return DeferredNorm(r, norm_w, eps, partial=PartialNorm(normed, ssq)), r
 
 
@@ -472,8 +484,9 @@ def kernel_name(m: int, w: Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTu
 
 
 def _launch(x: cupy.ndarray, w: Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
-            epilogue: int, epi: Epilogue, names: tuple[str, ...] | None = None) -> None:
-    """names: the instantiations to compile into the module (default: all of the weight format's)."""
+            epilogue: int, epi: Epilogue, names: tuple[str, ...] | None = None, prefetch_all: bool = False) -> None:
+    """names: the instantiations to compile into the module (default: all of the weight format's); prefetch_all:
+    see prefetch_plan."""
     m, k = x.shape
     n = w.shape[0]
     bits = weight_bits(w)
@@ -483,6 +496,10 @@ def _launch(x: cupy.ndarray, w: Weight, y: cupy.ndarray, num_sms: int, tuning: C
         raise BackendError(f"stream_gemm: the norm epilogues take at most {MAX_ROWS} rows, not {m}")
     plan = launch_plan(m, n, k, num_sms, bits, tuning)
     x_bytes = resident_x_bytes(m, k, bits)
+    prefill = tuning.stream_gemm_prefill_stages
+    if prefetch_all and tuning.stream_gemm_prefetch_all_kib:
+        plan = prefetch_plan(plan, x_bytes, tuning.stream_gemm_prefetch_all_kib << 10)
+        prefill = plan.stages
     name = kernel_name(m, w, y, num_sms, tuning, epilogue)
     kern = kernel_loader.function("stream_gemm", name, names or _names(bits, plan.warps), tuning=tuning)
     smem = plan.smem(x_bytes)
@@ -506,7 +523,7 @@ def _launch(x: cupy.ndarray, w: Weight, y: cupy.ndarray, num_sms: int, tuning: C
         part, flag = split_workspace(num_sms)
         split = SplitK(part.data.ptr, flag.data.ptr)
     stream = cupy.cuda.get_current_stream()
-    args = (wmap, xmap, y, i32(m), i32(n), i32(k), i32(plan.stages), i32(tuning.stream_gemm_prefill_stages), epi,
+    args = (wmap, xmap, y, i32(m), i32(n), i32(k), i32(plan.stages), i32(prefill), epi,
             scales, smap, split)
     pdl.launch(kern.raw, (plan.grid,), (plan.threads,), args, smem, stream, programmatic=kern.programmatic(stream))
 

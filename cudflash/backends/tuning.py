@@ -28,6 +28,18 @@ class CudaTuning:
     # Weight ring stages a stream GEMM CTA requests before griddepcontrol.wait; the rest follow the wait. No bit
     # depends on it (kernels/stream_gemm.cu).
     stream_gemm_prefill_stages: int = 2
+    # Shared memory (KiB) of a stream GEMM whose caller says the kernels in front leave HBM idle (prefetch_all: the
+    # GEMM after attention or the GDN mixer): its ring fills it and every stage is requested before the wait, so
+    # most of the weight arrives while those kernels run. 0 (the default): such GEMMs are planned like the others.
+    # It must leave room for the CTA in front on the SM (an attention CTA), or the GEMM's CTAs cannot start early.
+    # An A/B switch: on its own no faster (BENCHMARKS.md, session 33), since the GEMM's CTAs on the SMs of the
+    # attention combine start only when it ends.
+    stream_gemm_prefetch_all_kib: int = 0
+    # Every kernel's preferred shared-memory carveout (percent of the SM's unified L1 / shared memory; -1: the
+    # driver's choice). An SM configured for a kernel of little shared memory cannot take a stream GEMM CTA until
+    # it drains, so a GEMM launched early under PDL finds no room on the SMs of a small kernel in front of it.
+    # An A/B switch: 100 lets those CTAs start early, but costs the L1 of the kernels that use it (session 33).
+    shared_memory_carveout: int = -1
     # Weights of at least this many bytes take the stream GEMM at 1..16 rows, smaller ones cuBLAS. Larger than
     # every weight: cuBLAS throughout.
     stream_gemm_min_bytes: int = 8 << 20
@@ -85,10 +97,16 @@ class CudaTuning:
                   tuple: isinstance(value, tuple) and all(isinstance(v, str) for v in value)}[kind]
             if not ok:
                 raise ConfigError(f"tuning.{f}: expected {_DESCRIBE[kind]}, got {value!r}")
-        for f in ("stream_gemm_prefill_stages", "stream_gemm_min_bytes", "invariant_max_context",
-                  "quantized_stream_max_rows"):
+        for f in ("stream_gemm_prefill_stages", "stream_gemm_prefetch_all_kib", "stream_gemm_min_bytes",
+                  "invariant_max_context", "quantized_stream_max_rows"):
             if getattr(self, f) < 0:
                 raise ConfigError(f"tuning.{f}: expected a non-negative integer, got {getattr(self, f)}")
+        if self.stream_gemm_prefetch_all_kib > 227:
+            raise ConfigError(f"tuning.stream_gemm_prefetch_all_kib: at most 227 (Hopper's shared memory per CTA), got "
+                              f"{self.stream_gemm_prefetch_all_kib}")
+        if not -1 <= self.shared_memory_carveout <= 100:
+            raise ConfigError(f"tuning.shared_memory_carveout: a percentage 0..100, or -1 (the driver's choice), got "
+                              f"{self.shared_memory_carveout}")
         if self.quantized_launch_rows not in (16, 32, 64):
             raise ConfigError(f"tuning.quantized_launch_rows: 16, 32 or 64, got {self.quantized_launch_rows}")
         if self.stream_gemm_w8_warps not in (4, 8):

@@ -253,7 +253,8 @@ class HybridTargetModel:
                     tape.append(proj)
                 mixed = self._gdn_mixer(layer, proj, cache, n_lin, use, batch.meta)
                 n_lin += 1
-                hidden, residual = b.linear_add_rms_norm(mixed, layer.out_proj, None, residual, layer.post_norm, eps)
+                hidden, residual = b.linear_add_rms_norm(mixed, layer.out_proj, None, residual, layer.post_norm, eps,
+                                                        prefetch_all=True)
             else:
                 qkvg = b.linear(hidden, layer.qkvg, out_f32=True)
                 q = b.rope_store(qkvg[:, : self.qkv_width], cfg.num_heads, batch.positions, self.rope_cos,
@@ -262,7 +263,8 @@ class HybridTargetModel:
                 attn = b.attention(q, cache.kv.k[n_full], cache.kv.v[n_full], batch.meta, self.scale, causal=True,
                                    gate=qkvg[:, self.qkv_width:])
                 n_full += 1
-                hidden, residual = b.linear_add_rms_norm(attn, layer.o_proj, None, residual, layer.post_norm, eps)
+                hidden, residual = b.linear_add_rms_norm(attn, layer.o_proj, None, residual, layer.post_norm, eps,
+                                                        prefetch_all=True)
             act = b.swiglu(hidden, layer.gate_up)
             if i < last:
                 hidden, residual = b.linear_add_rms_norm(act, layer.down, None, residual,

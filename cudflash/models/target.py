@@ -137,7 +137,8 @@ class TargetModel:
             q = b.rope_store(qkv, self.num_heads, batch.positions, self.rope_cos, self.rope_sin, layer.q_norm,
                              layer.k_norm, eps, batch.slots, kv.k[i], kv.v[i])
             attn = b.attention(q, kv.k[i], kv.v[i], batch.meta, self.scale, causal=True)
-            hidden, residual = self._row_parallel(attn, layer.o_proj, layer.o_bias, residual, layer.post_norm, eps)
+            hidden, residual = self._row_parallel(attn, layer.o_proj, layer.o_bias, residual, layer.post_norm, eps,
+                                                  prefetch_all=True)
             act = b.swiglu(hidden, layer.gate_up)
             if i < last:
                 hidden, residual = self._row_parallel(act, layer.down, None, residual,
@@ -155,12 +156,12 @@ class TargetModel:
         return partial if self.comm is None else self.comm.all_reduce(partial)
 
     def _row_parallel(self, x: Any, weight: Any, bias: Any | None, residual: Any, norm_weight: Any,
-                      eps: float) -> tuple[Any, Any]:
+                      eps: float, prefetch_all: bool = False) -> tuple[Any, Any]:
         """linear_add_rms_norm; on a tensor-parallel rank the GEMM over its input columns is a partial sum, so the
         fused op splits: GEMM, all-reduce, then the bias (once) and the add + norm on the whole sum."""
         b = self.b
         if self.comm is None:
-            return b.linear_add_rms_norm(x, weight, bias, residual, norm_weight, eps)
+            return b.linear_add_rms_norm(x, weight, bias, residual, norm_weight, eps, prefetch_all)
         y = self.comm.all_reduce(b.linear(x, weight, out_f32=True))
         return b.add_rms_norm(b.add(y, bias) if bias is not None else y, residual, norm_weight, eps)
 

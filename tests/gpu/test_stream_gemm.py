@@ -253,6 +253,28 @@ def test_linear_add_rms_norm_defers_the_norm_into_the_next_gemm(cb, rng, m):
     check(cb.to_numpy(normed.plain), ref_normed, tol=1e-2)
 
 
+@pytest.mark.parametrize("m", [1, 9, 16])  # x resident, x in boxes
+def test_prefetch_all_changes_no_bit(cb, rng, m):
+    """A GEMM behind attention (prefetch_all, with the tuning's stream_gemm_prefetch_all_kib) keeps its blocks and
+    grid, so its residual, normed rows and sums of squares have the default's bits; only the ring is deeper and all
+    of it is requested before the wait."""
+    skip_without_tma()
+    host, dev = _norm_pair(cb, rng, m)
+    ref_normed, ref_r = cb.linear_add_rms_norm(dev["x"], dev["w"], None, dev["res"], dev["nw"], EPS)
+    for kib in (116, 144):
+        tuned = dataclasses.replace(cb.tuning, stream_gemm_prefetch_all_kib=kib)
+        plan = sg.weight_plan(H, K_IN, cb.num_sms, 16, tuned)
+        deep = sg.prefetch_plan(plan, sg.resident_x_bytes(m, K_IN), kib << 10)
+        assert (deep.t, deep.grid) == (plan.t, plan.grid) and plan.stages <= deep.stages <= 16
+        assert kib < 144 or deep.stages > plan.stages
+        assert deep.smem(sg.resident_x_bytes(m, K_IN)) <= max(kib << 10, sg.SMEM_BUDGET)
+        normed, r = sg.add_norm(cb._gemm_rows(dev["x"], True), dev["w"], dev["res"], dev["nw"], EPS, cb.num_sms,
+                                tuned, prefetch_all=True)
+        for a, b in ((r, ref_r), (normed.partial.normed, ref_normed.partial.normed),
+                     (normed.partial.ssq, ref_normed.partial.ssq)):
+            assert cp.array_equal(bits(a), bits(b)), kib
+
+
 def test_deferred_norm_rows_do_not_depend_on_the_other_rows(cb, rng):
     """A verify row of the fused pair has the bits of the decode of that row alone: the residual, the sums of
     squares and the scaled product."""
