@@ -6,7 +6,8 @@ the kernel in front returns. One late autoregressive step and one late speculati
 recorded. CTAs are grouped into launches in time order, and each launch gets:
   release  its first CTA's wait returning (about when the kernel in front has completed), relative to the step;
   span     the next launch's release minus its own: the time the chain spent on it, completion included;
-  early    how long before its release its first CTA was resident (PDL lets it start behind the kernel in front);
+  early    how long before its release its first, median and last CTA were resident (PDL lets a CTA start behind
+           the kernel in front once its SM has room: a late one streams its share after the release alone);
   ends     for kernels that mark it (stream_gemm, attention, rope), when the first, the median and the last CTA had
            written their outputs, after the release: the spread is how unevenly a launch's equal shares of work
            finish, and the last end against the span is what completing the grid and releasing the next costs.
@@ -44,11 +45,12 @@ def report(title: str, launches: list[trace.Launch]) -> None:
         print(f"{name:36s} {len(sp):8d} {statistics.mean(sp):12.2f} {sum(sp):9.1f}")
     count, positions = trace.layer_means(ls)
     if positions:
-        print(f"{f'a layer, in order (mean of {count})':36s} {'span us':>8s} {'early us':>9s} "
+        print(f"{f'a layer, in order (mean of {count})':36s} {'span us':>8s} {'early us (first, median, last)':>30s} "
               f"{'ends us (first, median, last)':>30s}")
         for p in positions:
+            early = " ".join(f"{t / 1e3:6.2f}" for t in p.early)
             ends = " ".join(f"{t / 1e3:6.2f}" for t in p.ends) if p.ends else ""
-            print(f"{p.name:36s} {p.span / 1e3:8.2f} {p.early / 1e3:9.2f} {ends:>30s}")
+            print(f"{p.name:36s} {p.span / 1e3:8.2f} {early:>30s} {ends:>30s}")
 
 
 seen: dict[str, int] = defaultdict(int)

@@ -99,7 +99,7 @@ class Position:
 
     name: str
     span: float
-    early: float  # its release minus its first CTA's start
+    early: tuple[float, float, float]  # its release minus the start of its first, median and last CTA
     ends: tuple[float, float, float] | None  # first, median and last CTA end after the release (if marked)
 
 
@@ -118,10 +118,14 @@ def layer_means(ordered: list[Launch], gemms_per_layer: int = 4) -> tuple[int, l
     out = []
     for at in zip(*layers):
         ends = [sorted(t - x.t_release for t in x.ends.values()) for x in at]
-        picks = (0, len(ends[0]) // 2, -1)  # every launch of one position has the same grid
-        out.append(Position(at[0].name, float(np.mean([x.span for x in at])),
-                            float(np.mean([x.t_release - x.t_start for x in at])),
-                            tuple(float(np.mean([e[q] for e in ends])) for q in picks) if all(ends) else None))
+        early = [sorted(x.t_release - t for t in x.starts.values())[::-1] for x in at]
+
+        def means(rows: list[list[int]]) -> tuple[float, float, float]:
+            picks = (0, len(rows[0]) // 2, -1)  # every launch of one position has the same grid
+            return tuple(float(np.mean([r[q] for r in rows])) for q in picks)
+
+        out.append(Position(at[0].name, float(np.mean([x.span for x in at])), means(early),
+                            means(ends) if all(ends) else None))
     return len(layers), out
 
 

@@ -70,17 +70,20 @@ def test_an_end_belongs_to_the_launch_its_cta_was_last_released_in():
     assert first.ends == {0: 25, 1: 29} and second.ends == {0: 52, 1: 50}
 
 
-def _launch(name: str, start: int, release: int, span: int, ends: tuple[int, ...] = ()) -> trace.Launch:
-    return trace.Launch(name, max(1, len(ends)), {0: start}, {0: release}, dict(enumerate(ends)), span)
+def _launch(name: str, start: int, release: int, span: int, ends: tuple[int, ...] = (),
+            later: tuple[int, ...] = ()) -> trace.Launch:
+    """One launch whose CTA 0 starts at `start` and the others (if any) at `later`."""
+    starts = dict(enumerate((start, *later)))
+    return trace.Launch(name, max(1, len(ends), len(starts)), starts, {0: release}, dict(enumerate(ends)), span)
 
 
 def test_layer_means_average_each_position_over_the_layers_of_the_common_sequence():
     """Layers start at every fourth GEMM; a layer whose launches differ (here the first, with a norm in it) is left
-    out, and a GEMM position averages its CTA ends after the release."""
+    out, and a GEMM position averages its CTA ends after the release and how early its CTAs started."""
     g, n, r = "stream_gemm 2x5w", "norm 1x8w", "rope 3x4w"
 
     def layer(t0: int, rope_span: int, odd: bool = False) -> list[trace.Launch]:
-        gemms = [_launch(g, t0 - 5, t0, 10, ends=(t0 + 4, t0 + 8))]
+        gemms = [_launch(g, t0 - 5, t0, 10, ends=(t0 + 4, t0 + 8), later=(t0 - 1,))]
         gemms.append(_launch(n if odd else r, t0 + 5, t0 + 10, rope_span))
         gemms += [_launch(g, t0 + 10 * i, t0 + 10 * i + 10, 10, ends=(t0 + 10 * i + 12,) * 2) for i in (1, 2, 3)]
         return gemms
@@ -89,7 +92,8 @@ def test_layer_means_average_each_position_over_the_layers_of_the_common_sequenc
     count, positions = trace.layer_means(ordered)
     assert count == 2  # layers 1 and 2: layer 0 differs, layer 3 has no GEMM after it to close it
     assert [p.name for p in positions] == [g, r, g, g, g]
-    assert positions[1].span == 3 and positions[1].early == 5
+    assert positions[1].span == 3 and positions[1].early == (5, 5, 5)
+    assert positions[0].early == (5, 1, 1)  # the CTA that started 1 before the release is the median of two
     assert positions[0].ends == (4, 8, 8) and positions[1].ends is None
 
 
