@@ -48,6 +48,14 @@ def test_a_bad_assignment_names_the_field_and_what_was_expected(text, message):
         parse_tuning([text])
 
 
+def test_the_carveout_goes_to_the_named_kernels_or_to_every_kernel():
+    t = parse_tuning(["shared_memory_carveout=100", "shared_memory_carveout_kernels=attn_combine gdn_mixer"])
+    assert t.carveout("attn_combine<128, false>") == 100 and t.carveout("gdn_mixer<128, 128>") == 100
+    assert t.carveout("attn_fwd<128, 4, 1, false>") == -1 and t.carveout("rope_store") == -1
+    assert CudaTuning(shared_memory_carveout=50).carveout("rope_store") == 50
+    assert CudaTuning().carveout("attn_combine<128, false>") == -1
+
+
 def test_a_dict_takes_the_fields_and_nothing_else():
     assert as_tuning({"pdl": False, "nvrtc_options": ["-lineinfo"]}) == CudaTuning(pdl=False,
                                                                                    nvrtc_options=("-lineinfo",))

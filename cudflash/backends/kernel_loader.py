@@ -75,4 +75,4 @@ def _function(name: str, kernel: str, name_expressions: tuple[str, ...], kernel_
 def function(name: str, kernel: str, name_expressions: tuple[str, ...] = (), *, tuning: CudaTuning) -> Kernel:
     """One kernel of `<name>.cu`: an `extern "C"` name, or one of `name_expressions` (templates)."""
     return _function(name, kernel, tuple(name_expressions), tuning.kernel_dir, tuning.nvrtc_options, tuning.pdl,
-                     tuning.shared_memory_carveout)
+                     tuning.carveout(kernel))

@@ -40,6 +40,9 @@ class CudaTuning:
     # it drains, so a GEMM launched early under PDL finds no room on the SMs of a small kernel in front of it.
     # An A/B switch: 100 lets those CTAs start early, but costs the L1 of the kernels that use it (session 33).
     shared_memory_carveout: int = -1
+    # The kernels shared_memory_carveout applies to: those whose name (a template's with its arguments) starts with
+    # one of these, e.g. attn_combine, the kernel in front of o_proj; empty: every kernel.
+    shared_memory_carveout_kernels: tuple[str, ...] = ()
     # Weights of at least this many bytes take the stream GEMM at 1..16 rows, smaller ones cuBLAS. Larger than
     # every weight: cuBLAS throughout.
     stream_gemm_min_bytes: int = 8 << 20
@@ -86,6 +89,12 @@ class CudaTuning:
     # Extra NVRTC options for every module, e.g. -lineinfo, or the step timeline's -DCF_TRACE
     # (scripts/step_timeline.py).
     nvrtc_options: tuple[str, ...] = ()
+
+    def carveout(self, kernel: str) -> int:
+        """The preferred shared-memory carveout of `kernel` (its name as compiled): -1, the driver's choice, unless
+        shared_memory_carveout sets one for it."""
+        names = self.shared_memory_carveout_kernels
+        return self.shared_memory_carveout if not names or kernel.startswith(names) else -1
 
     def __post_init__(self) -> None:
         if isinstance(self.kernel_dir, os.PathLike):
