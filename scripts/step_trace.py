@@ -115,15 +115,15 @@ def layer_means(ordered: list[Launch], gemms_per_layer: int = 4) -> tuple[int, l
     names = [tuple(x.name for x in layer) for layer in layers]
     common = max(set(names), key=names.count)
     layers = [layer for layer, n in zip(layers, names) if n == common]
+
+    def means(rows: list[list[int]]) -> tuple[float, float, float]:  # of the first, median and last of each row
+        picks = (0, len(rows[0]) // 2, -1)  # every launch of one position has the same grid
+        return tuple(float(np.mean([r[q] for r in rows])) for q in picks)
+
     out = []
     for at in zip(*layers):
         ends = [sorted(t - x.t_release for t in x.ends.values()) for x in at]
         early = [sorted(x.t_release - t for t in x.starts.values())[::-1] for x in at]
-
-        def means(rows: list[list[int]]) -> tuple[float, float, float]:
-            picks = (0, len(rows[0]) // 2, -1)  # every launch of one position has the same grid
-            return tuple(float(np.mean([r[q] for r in rows])) for q in picks)
-
         out.append(Position(at[0].name, float(np.mean([x.span for x in at])), means(early),
                             means(ends) if all(ends) else None))
     return len(layers), out

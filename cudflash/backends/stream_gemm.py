@@ -96,6 +96,7 @@ X_RESIDENT_BYTES = 32 << 10  # x's rows are resident (see above) while they take
 # SM (a kernel launched early under PDL would otherwise pile its CTAs onto the SMs free at that moment and stream
 # at half speed there), while one attention CTA (70 KiB) still fits beside one.
 SMEM_BUDGET = 116 << 10
+MAX_STAGES = 16  # ring stages a CTA's full / empty barriers are laid out for (fixed_bytes)
 BF16_WARPS = 4  # compute warps (the kernel's CW) of a bf16 weight; an FP8 one's: tuning.stream_gemm_w8_warps
 Weight = cupy.ndarray | Fp8Weight | Fp4Weight
 _Y = {"float32": "float", "bfloat16": "bf16", "uint16": "bf16"}
@@ -144,9 +145,14 @@ class Plan:
     @staticmethod
     def fixed_bytes(t: int, warps: int = BF16_WARPS, nt: int = 2) -> int:
         """Everything but the ring and resident x: alignment slack, the partials red[warps - 1][t][nt][4][32]
-        float32, the barriers (full and empty for up to 16 stages, the x
+        float32, the barriers (full and empty for up to MAX_STAGES stages, the x
         barrier)."""
-        return 1024 + (warps - 1) * t * nt * 4 * 32 * 4 + 16 * 16 + 16
+        return 1024 + (warps - 1) * t * nt * 4 * 32 * 4 + MAX_STAGES * 16 + 16
+
+
+def ring_stages(room: int, stage: int) -> int:
+    """Ring stages of `stage` bytes that `room` bytes of shared memory hold, at most MAX_STAGES."""
+    return min(MAX_STAGES, room // stage)
 
 
 def x_box_rows(nt: int) -> int:
@@ -202,7 +208,7 @@ def plan_for(n: int, k: int, num_sms: int, bits: int = 16, warps: int = BF16_WAR
     if (split and units >= num_sms and saved >= max(SPLIT_MIN_TILE_STAGES, SPLIT_MIN_SHARE * busiest)
             and blocks <= SPLIT_MAX_OCCUPANCY * rounds * num_sms):
         return split_plan(num_sms, bits, warps)
-    stages = min(16, (SMEM_BUDGET - Plan.fixed_bytes(t, warps)) // Plan.stage_bytes(t, bits=bits))
+    stages = ring_stages(SMEM_BUDGET - Plan.fixed_bytes(t, warps), Plan.stage_bytes(t, bits=bits))
     return Plan(t=t, grid=grid, stages=max(2, stages), bits=bits, warps=warps)
 
 
@@ -210,7 +216,7 @@ def split_plan(grid: int, bits: int = 16, warps: int = BF16_WARPS) -> Plan:
     """A stream-K plan of blocks of SPLIT_T tiles (the kernel's SPLIT instantiations) over `grid` CTAs (at most the
     SMs: every CTA must be resident at once)."""
     t = SPLIT_T
-    stages = min(16, (SMEM_BUDGET - Plan.fixed_bytes(t, warps)) // Plan.stage_bytes(t, bits=bits))
+    stages = ring_stages(SMEM_BUDGET - Plan.fixed_bytes(t, warps), Plan.stage_bytes(t, bits=bits))
     return Plan(t=t, grid=grid, stages=max(2, stages), bits=bits, warps=warps, split=True)
 
 
@@ -243,8 +249,8 @@ def wide_plan(n: int, k: int, num_sms: int, bits: int, warps: int, nt: int, spli
         t = min(range(most, 0, -1), key=cost)
         blocks = math.ceil(tiles / t)
         grid = math.ceil(blocks / math.ceil(blocks / num_sms))
-    stages = (WIDE_SMEM_BUDGET - Plan.fixed_bytes(t, warps, nt)) // Plan.stage_bytes(t, bits=bits, nt=nt)
-    return Plan(t=t, grid=grid, stages=min(16, stages), bits=bits, warps=warps, nt=nt, split=base.split)
+    stages = ring_stages(WIDE_SMEM_BUDGET - Plan.fixed_bytes(t, warps, nt), Plan.stage_bytes(t, bits=bits, nt=nt))
+    return Plan(t=t, grid=grid, stages=stages, bits=bits, warps=warps, nt=nt, split=base.split)
 
 
 def launch_plan(m: int, n: int, k: int, num_sms: int, bits: int, tuning: CudaTuning) -> Plan:
@@ -260,12 +266,12 @@ def launch_plan(m: int, n: int, k: int, num_sms: int, bits: int, tuning: CudaTun
 
 def prefetch_plan(plan: Plan, x_bytes: int | None, smem: int) -> Plan:
     """The plan of a launch behind kernels that leave HBM idle (attention, the GDN mixer): the same blocks and grid
-    (so the same sums and bits), the ring as deep as `smem` allows (at most 16 stages: the kernel's barriers), to
-    be requested in full before the wait. Wide and split plans are kept as they are."""
+    (so the same sums and bits), the ring as deep as `smem` allows, to be requested in full before the wait. Wide
+    and split plans are kept as they are."""
     if plan.nt > 2 or plan.split:
         return plan
     room = smem - Plan.fixed_bytes(plan.t, plan.warps, plan.nt) - (x_bytes or 0)
-    stages = min(16, room // Plan.stage_bytes(plan.t, x_bytes is not None, plan.bits, plan.nt))
+    stages = ring_stages(room, Plan.stage_bytes(plan.t, x_bytes is not None, plan.bits, plan.nt))
     return replace(plan, stages=max(plan.stages, stages))
 
 
