@@ -89,7 +89,6 @@ SPLIT_MAX_OCCUPANCY = 0.75
 SPLIT_T = 2  # a split plan's row blocks: a ring of 4 stages (t = 4 has 2); WIDE_MAX_T's smallest, for wide launches
 KT = 256  # K columns per ring stage (bf16, FP8): 64 per compute warp, four k16 MMA steps
 KT_W4 = 512  # per ring stage of an NVFP4 weight: the code bytes of an FP8 stage
-W4_WARPS = 8  # compute warps over an NVFP4 weight: 64 columns of a stage each (one ldmatrix.x4 per tile)
 BOX_K = 64  # K columns per TMA box: 128 bytes, the span of the 128-byte swizzle
 X_RESIDENT_BYTES = 32 << 10  # x's rows are resident (see above) while they take at most this much shared memory
 # Shared memory per CTA, all of it requested: more than half an SM's 228 KiB, so two of these CTAs never share an
@@ -144,10 +143,15 @@ class Plan:
 
     @staticmethod
     def fixed_bytes(t: int, warps: int = BF16_WARPS, nt: int = 2) -> int:
-        """Everything but the ring and resident x: alignment slack, the partials red[warps - 1][t][nt][4][32]
-        float32, the barriers (full and empty for up to MAX_STAGES stages, the x
-        barrier)."""
-        return 1024 + (warps - 1) * t * nt * 4 * 32 * 4 + MAX_STAGES * 16 + 16
+        """Everything but the ring and resident x: alignment slack, the partials red[red_slots(warps)][t][nt][4][32]
+        float32, the barriers (full and empty for up to MAX_STAGES stages, the x barrier)."""
+        return 1024 + red_slots(warps) * t * nt * 4 * 32 * 4 + MAX_STAGES * 16 + 16
+
+
+def red_slots(warps: int) -> int:
+    """The kernel's RED: partial sums in shared memory at a block's end, one per warp but the first; sixteen warps
+    add in pairs first, eight slots."""
+    return warps // 2 if warps == 16 else warps - 1
 
 
 def ring_stages(room: int, stage: int) -> int:
@@ -226,7 +230,7 @@ def weight_plan(n: int, k: int, num_sms: int, bits: int, tuning: CudaTuning) -> 
 
 
 def _warps(bits: int, tuning: CudaTuning) -> int:
-    return {16: BF16_WARPS, 8: tuning.stream_gemm_w8_warps, 4: W4_WARPS}[bits]
+    return {16: BF16_WARPS, 8: tuning.stream_gemm_w8_warps, 4: tuning.stream_gemm_w4_warps}[bits]
 
 
 @functools.cache

@@ -67,6 +67,9 @@ class CudaTuning:
     # Compute warps of the streaming GEMM over an FP8 weight: 4 (one per scheduler) or 8 (two). Part of the plan: the
     # summation order depends on it, never on the rows (kernels/stream_gemm.cu).
     stream_gemm_w8_warps: int = 8
+    # Compute warps over an NVFP4 weight: 8 (64 columns of a stage each, two accumulator chains) or 16 (32 columns,
+    # one chain: the same chains, added in the same order, so the same bits).
+    stream_gemm_w4_warps: int = 8
     # FP8 / NVFP4 products of more than 16 rows and up to this many stream the codes, in launches of
     # quantized_launch_rows rows, each reading the whole weight (the rows keep the bits they have alone). Of a product
     # of more rows, the rows that need no decode's rounding (Backend.inexact_rows: prefill chunks, a drafter's rows)
@@ -120,6 +123,8 @@ class CudaTuning:
             raise ConfigError(f"tuning.quantized_launch_rows: 16, 32 or 64, got {self.quantized_launch_rows}")
         if self.stream_gemm_w8_warps not in (4, 8):
             raise ConfigError(f"tuning.stream_gemm_w8_warps: 4 or 8, got {self.stream_gemm_w8_warps}")
+        if self.stream_gemm_w4_warps not in (8, 16):
+            raise ConfigError(f"tuning.stream_gemm_w4_warps: 8 or 16, got {self.stream_gemm_w4_warps}")
         if self.invariant_max_context > INVARIANT_CONTEXT_LIMIT:
             raise ConfigError(f"tuning.invariant_max_context: at most {INVARIANT_CONTEXT_LIMIT} keys, got "
                               f"{self.invariant_max_context}")

@@ -4,6 +4,8 @@ and the many-row path (dequantized to bf16, then cuBLAS), against numpy's float3
 epilogue, per-row global scales (fused parts), and the invariances the engine relies on."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -113,6 +115,41 @@ def test_fp4_epilogues_match_numpy(cb, rng, m):
     check_epilogues(cb, rng, m, quantized, 1536, Fp4Weight)
 
 
+# whole blocks of 1..4 tiles, a split plan (19 blocks over a long K), qwen3-4b's K
+@pytest.mark.parametrize("n,k", [(4096, 4096), (24576, 1024), (296, 12288), (2560, 2560)])
+def test_sixteen_warps_have_the_bits_of_eight(cb, rng, n, k):
+    """tuning.stream_gemm_w4_warps = 16: warps 2 w and 2 w + 1 run the two accumulator chains that warp w of eight
+    runs, and add them first, so every output has the bits of the eight warps' (x resident, in boxes, a wide
+    launch; the add-norm producer, its row-scaled SwiGLU consumer)."""
+    skip_without_tma()
+    t16 = dataclasses.replace(cb.tuning, stream_gemm_w4_warps=16)
+    assert sg.weight_plan(n, k, cb.num_sms, 4, t16).warps == 16
+    w = fp4_weight.upload(quantized(rng, n, k, scale=k ** -0.5))
+    chain = n in (4096, 2560)  # the add-norm producer's output is a streamable consumer's x
+    if chain:
+        gate_up = cb.gate_up_weight(cb.load_quantized(quantized(rng, 1000, n, n ** -0.5)),
+                                    cb.load_quantized(quantized(rng, 1000, n, n ** -0.5)))
+    for m in (1, 9, 16, 32):
+        x = cb.asarray(rnd(rng, m, k), "act")
+        ys = []
+        for tuning in (cb.tuning, t16):
+            y = cp.empty((m, n), cp.float32)
+            sg.stream_gemm(x, w, y, cb.num_sms, tuning)
+            ys.append(y)
+        assert cp.array_equal(bits(ys[0]), bits(ys[1])), m
+        if m > sg.MAX_ROWS or not chain:
+            continue
+        res, nw = cp.asarray(rng.standard_normal((m, n)).astype(np.float32)), cb.asarray(rnd(rng, n) + 1, "act")
+        outs = []
+        for tuning in (cb.tuning, t16):
+            normed, r = sg.add_norm(x, w, res, nw, 1e-6, cb.num_sms, tuning)
+            act = cp.empty((m, 1000), x.dtype)
+            sg.row_scaled(normed, gate_up, act, cb.num_sms, tuning, swiglu=True)
+            outs.append((r, normed.partial.normed, normed.partial.ssq, act))
+        for a, b in zip(*outs):
+            assert cp.array_equal(bits(a), bits(b)), m
+
+
 def test_fp4_wide_swiglu(cb, rng):
     """test_quant_gemm.check_wide_swiglu on NVFP4 weights."""
     check_wide_swiglu(cb, rng, quantized, 1536)
@@ -126,22 +163,24 @@ def test_a_row_slice_is_those_rows_of_the_weight(cb, rng):
 def test_fp4_plans_fit():
     """NVFP4 plans: the row blocks and grid of bf16's whole-block plan (its stages of 512 columns save half the tile
     stages a split would, so it splits less often: Qwen3-4B's down_proj stays whole), eight compute warps, a ring
-    that fits the request."""
+    that fits the request (and with sixteen warps)."""
     for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (2560, 9728), (200, 512)):
-        bf, f4 = sg.plan_for(n, k, 132, split=False), sg.weight_plan(n, k, 132, 4, cb_tuning())
-        assert (f4.t, f4.grid, f4.split) == (bf.t, bf.grid, False)
-        assert f4.warps == 8 and f4.kt == 512 and f4.stages >= 2
-        for m in (1, 8, 16):
-            x_bytes = sg.resident_x_bytes(m, k, 4)
-            assert f4.smem(x_bytes) == sg.SMEM_BUDGET
-            assert f4.fixed_bytes(f4.t, 8) + f4.stages * f4.stage_bytes(f4.t, x_bytes is not None, 4) + (
-                x_bytes or 0) <= sg.SMEM_BUDGET
+        bf = sg.plan_for(n, k, 132, split=False)
+        for warps in (8, 16):
+            f4 = sg.weight_plan(n, k, 132, 4, cb_tuning(stream_gemm_w4_warps=warps))
+            assert (f4.t, f4.grid, f4.split) == (bf.t, bf.grid, False)
+            assert f4.warps == warps and f4.kt == 512 and f4.stages >= 2
+            for m in (1, 8, 16):
+                x_bytes = sg.resident_x_bytes(m, k, 4)
+                assert f4.smem(x_bytes) == sg.SMEM_BUDGET
+                assert f4.fixed_bytes(f4.t, warps) + f4.stages * f4.stage_bytes(f4.t, x_bytes is not None, 4) + (
+                    x_bytes or 0) <= sg.SMEM_BUDGET
 
 
-def cb_tuning():
+def cb_tuning(**fields):
     from cudflash.backends.tuning import CudaTuning
 
-    return CudaTuning(nvfp4_on_device=True)
+    return CudaTuning(nvfp4_on_device=True, **fields)
 
 
 def test_random_fp4_has_the_requested_spread(cb):
