@@ -24,9 +24,9 @@
 // a CTA's first work and the owner's wait its last, so the wait is short; it needs every CTA resident at once
 // (the plan: grid <= SMs, one CTA per SM by its shared memory). The order of every sum still depends on the plan
 // alone, never on M.
-// Warps: 0..CW-1 compute (CW = 4, or 8 for W8 and W4: two per scheduler, below; W4 also 16), warp CW copies (its lane 0 arms
-// a stage's barrier with the byte count and issues the stage's box copies; W8: all its lanes also stage the
-// scales, below). Barriers: full[s] (1 arrival + the bytes; W8: 1 + 32 arrivals), empty[s] (one per compute warp).
+// Warps: 0..CW-1 compute (CW = 4, or 8 for W8 and W4: two per scheduler, below; W4 also 16), warp CW copies (its
+// lane 0 arms a stage's barrier with the byte count and issues the stage's box copies; W8: all its lanes also stage
+// the scales, below). Barriers: full[s] (1 arrival + the bytes; W8: 1 + 32 arrivals), empty[s] (one per compute warp).
 // Before griddepcontrol.wait the copy warp requests the weight boxes of the first `prefill` stages; the rest of the
 // ring and x's boxes follow the wait. (A stage or two is the head start; a full ring's prefill only competes with
 // the latency-bound kernels in front for HBM: the tuning's stream_gemm_prefill_stages.)
@@ -545,8 +545,8 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                     }
         } else if constexpr (W4) {
             // This warp's WCOLS columns of the stage, from e0: CHUNKS chunks of 32 columns, chunk h into its own
-            // chain (acc, acc4), two MMA steps each; chunk (e0 % 256) / 32 + h is 16-byte chunk of weight box e0 / 256's
-            // rows. One ldmatrix per tile: r[2 h], r[2 h + 1] = rows g, g + 8 of columns 8 c .. 8 c + 7 of chunk h (x4
+            // chain (acc, acc4), two MMA steps each; it is 16-byte chunk (e0 % 256) / 32 + h of the rows of weight
+            // box e0 / 256. One ldmatrix per tile: r[2 h], r[2 h + 1] = rows g, g + 8 of columns 8 c .. 8 c + 7 of chunk h (x4
             // for two chunks, x2 for one). The scales of rows 16 t + g (+ 8) are bytes 4 (e0 / 64) .. + 3 of the
             // stage's scale rows (one per 16 columns): byte 2 (qw + h) + c / 2 is the lane's, qw = (e0 % 64) / 32.
             const int e0 = warp * WCOLS, qw = (e0 % 64) / 32;
@@ -615,9 +615,9 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
 
         if (kt() + 1 != ktiles && i + 1 != total) continue;
         // End of a row block, or of this CTA's part of it: add the CW warps' partials in a fixed order, then (a
-        // block it owns) the other CTAs' parts and write the outputs (W4: each warp's two chains, or a pair of warps' chains, first; warp 0
-        // then scales each row's sum by its global scale * 2^7, requested here so the load's latency passes
-        // under the barrier), or (a block it starts inside) hand its sums to the owner.
+        // block it owns) the other CTAs' parts and write the outputs (W4: each warp's two chains, or a warp pair's,
+        // first; warp 0 then scales each row's sum by its global scale * 2^7, requested here so the load's latency
+        // passes under the barrier), or (a block it starts inside) hand its sums to the owner.
         const bool part_only = SPLIT && blk() == blk0 && kt0 > 0;  // CTA-uniform, as every branch here
         float gs[W4 ? T : 1][2];
         float* mine = &acc[0][0][0];  // acc[t][n][q] at (t NT + n) 4 + q
