@@ -32,8 +32,8 @@
 // the latency-bound kernels in front for HBM: the tuning's stream_gemm_prefill_stages.)
 // Resident x (XRES, few rows): x's rows are copied once into shared memory after the wait (one bulk copy per row,
 // rows padded by 16 bytes so ldmatrix's eight rows hit eight bank groups) and the ring holds weight boxes only,
-// as many stages as with boxes. Per stage that saves the x boxes' copies, which each stage would otherwise wait
-// for. The MMAs and their order are the same, so are the bits.
+// as many stages as with boxes (or more: the stage count is the wrapper's). Per stage that saves the x boxes'
+// copies, which each stage would otherwise wait for. The MMAs and their order are the same, so are the bits.
 // Compute: swapped mma.m16n8k16: A = 16 weight rows, B = 8 tokens (NT token tiles), so y^T tile = W . x^T.
 // Compute warp c takes columns [c KT/CW, (c + 1) KT/CW) of every stage for all T row tiles; at the end of a block
 // the CW partials are added in the order c = 0, 1, .. through shared memory. The float32 summation order

@@ -21,7 +21,8 @@ included.
 
 A few rows of x (a decode step at batch 1: one row of 8-24 KiB) are copied into shared memory once, after the wait,
 instead of in boxes beside every weight stage (`resident_x_bytes`): the ring then holds weight alone, in as many
-stages as with boxes: the ring's depth is not what limits the GEMM. Only where x's bytes come from changes, not the
+stages as with boxes (a deeper FP8 ring changed nothing; `tuning.stream_gemm_resident_ring` fills the shared memory
+instead, `deep_plan`, for the shallower NVFP4 ring's A/B). Only where x's bytes come from changes, not the
 MMAs or their order, so the bits are the same either way.
 
 Two epilogues remove the RMSNorm launches between a layer's GEMMs (`Epilogue`): the GEMM in front of a norm
@@ -268,10 +269,11 @@ def launch_plan(m: int, n: int, k: int, num_sms: int, bits: int, tuning: CudaTun
     return wide_plan(n, k, num_sms, bits, _warps(bits, tuning), nt, tuning.stream_gemm_split)
 
 
-def prefetch_plan(plan: Plan, x_bytes: int | None, smem: int) -> Plan:
-    """The plan of a launch behind kernels that leave HBM idle (attention, the GDN mixer): the same blocks and grid
-    (so the same sums and bits), the ring as deep as `smem` allows, to be requested in full before the wait. Wide
-    and split plans are kept as they are."""
+def deep_plan(plan: Plan, x_bytes: int | None, smem: int) -> Plan:
+    """The plan with the same blocks and grid (so the same sums and bits) and the ring as deep as `smem` allows: for
+    a launch behind kernels that leave HBM idle (attention, the GDN mixer), which requests all of it before the wait
+    (tuning.stream_gemm_prefetch_all_kib), and for resident x (tuning.stream_gemm_resident_ring). Wide and split
+    plans are kept as they are."""
     if plan.nt > 2 or plan.split:
         return plan
     room = smem - Plan.fixed_bytes(plan.t, plan.warps, plan.nt) - (x_bytes or 0)
@@ -461,7 +463,7 @@ def add_norm(x: cupy.ndarray, w: Weight, residual: cupy.ndarray, norm_w: cupy.nd
              eps: float, num_sms: int, tuning: CudaTuning,
              prefetch_all: bool = False) -> tuple[DeferredNorm, cupy.ndarray]:
     """(rms_norm(r) * norm_w deferred, r) with r = residual + x @ w.T, float32 [M, N]; residual contiguous float32
-    [M, N], norm_w bf16 [N]. prefetch_all: the kernels in front leave HBM idle (prefetch_plan)."""
+    [M, N], norm_w bf16 [N]. prefetch_all: the kernels in front leave HBM idle (deep_plan)."""
     m, n = x.shape[0], w.shape[0]
     parts = weight_plan(n, w.shape[1], num_sms, weight_bits(w), tuning).grid  # <= MAX_PARTS: checked
     r = cupy.empty((m, n), dtype=cupy.float32)
@@ -496,7 +498,7 @@ def kernel_name(m: int, w: Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTu
 def _launch(x: cupy.ndarray, w: Weight, y: cupy.ndarray, num_sms: int, tuning: CudaTuning,
             epilogue: int, epi: Epilogue, names: tuple[str, ...] | None = None, prefetch_all: bool = False) -> None:
     """names: the instantiations to compile into the module (default: all of the weight format's); prefetch_all:
-    see prefetch_plan."""
+    see deep_plan."""
     m, k = x.shape
     n = w.shape[0]
     bits = weight_bits(w)
@@ -506,9 +508,11 @@ def _launch(x: cupy.ndarray, w: Weight, y: cupy.ndarray, num_sms: int, tuning: C
         raise BackendError(f"stream_gemm: the norm epilogues take at most {MAX_ROWS} rows, not {m}")
     plan = launch_plan(m, n, k, num_sms, bits, tuning)
     x_bytes = resident_x_bytes(m, k, bits)
+    if x_bytes is not None and tuning.stream_gemm_resident_ring:
+        plan = deep_plan(plan, x_bytes, SMEM_BUDGET)
     prefill = tuning.stream_gemm_prefill_stages
     if prefetch_all and tuning.stream_gemm_prefetch_all_kib:
-        plan = prefetch_plan(plan, x_bytes, tuning.stream_gemm_prefetch_all_kib << 10)
+        plan = deep_plan(plan, x_bytes, tuning.stream_gemm_prefetch_all_kib << 10)
         prefill = plan.stages
     name = kernel_name(m, w, y, num_sms, tuning, epilogue)
     kern = kernel_loader.function("stream_gemm", name, names or _names(bits, plan.warps), tuning=tuning)

@@ -35,6 +35,11 @@ class CudaTuning:
     # An A/B switch: on its own no faster (BENCHMARKS.md, session 33), since the GEMM's CTAs on the SMs of the
     # attention combine start only when it ends.
     stream_gemm_prefetch_all_kib: int = 0
+    # A stream GEMM with x resident (decode rows) fills the shared memory it requests anyway with ring stages (the
+    # same blocks and grid: no bit changes) instead of keeping the stage count of x in boxes. For NVFP4, whose stage
+    # with x resident is 9 KB against 25 KB with boxes, that is 36 -> 72-90 KB in flight per SM (FP8: 49 -> 66-90).
+    # The stages before the wait stay stream_gemm_prefill_stages. An A/B switch, off until measured.
+    stream_gemm_resident_ring: bool = False
     # Every kernel's preferred shared-memory carveout (percent of the SM's unified L1 / shared memory; -1: the
     # driver's choice). An SM configured for a kernel of little shared memory cannot take a stream GEMM CTA until
     # it drains, so a GEMM launched early under PDL finds no room on the SMs of a small kernel in front of it.

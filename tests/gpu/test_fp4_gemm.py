@@ -115,8 +115,8 @@ def test_fp4_epilogues_match_numpy(cb, rng, m):
     check_epilogues(cb, rng, m, quantized, 1536, Fp4Weight)
 
 
-# whole blocks of 1..4 tiles, a split plan (19 blocks over a long K), qwen3-4b's K
-@pytest.mark.parametrize("n,k", [(4096, 4096), (24576, 1024), (296, 12288), (2560, 2560)])
+# whole blocks of 1..4 tiles, 19 blocks over a long K, a split plan (on 132 SMs), qwen3-4b's K
+@pytest.mark.parametrize("n,k", [(4096, 4096), (24576, 1024), (296, 12288), (256, 16384), (2560, 2560)])
 def test_sixteen_warps_have_the_bits_of_eight(cb, rng, n, k):
     """tuning.stream_gemm_w4_warps = 16: warps 2 w and 2 w + 1 run the two accumulator chains that warp w of eight
     runs, and add them first, so every output has the bits of the eight warps' (x resident, in boxes, a wide
@@ -148,6 +148,27 @@ def test_sixteen_warps_have_the_bits_of_eight(cb, rng, n, k):
             outs.append((r, normed.partial.normed, normed.partial.ssq, act))
         for a, b in zip(*outs):
             assert cp.array_equal(bits(a), bits(b)), m
+
+
+@pytest.mark.parametrize("m", [1, 3])  # x resident
+def test_a_full_resident_ring_changes_no_bit(cb, rng, m):
+    """tuning.stream_gemm_resident_ring: with x resident the ring fills the CTA's shared memory (more stages, the
+    same blocks and grid), alone and with sixteen warps: the outputs keep the default's bits."""
+    skip_without_tma()
+    n, k = 4096, 4096
+    assert sg.resident_x_bytes(m, k, 4) is not None
+    w = fp4_weight.upload(quantized(rng, n, k, scale=k ** -0.5))
+    x = cb.asarray(rnd(rng, m, k), "act")
+    ref = cp.empty((m, n), cp.float32)
+    sg.stream_gemm(x, w, ref, cb.num_sms, cb.tuning)
+    for warps in (8, 16):
+        tuned = dataclasses.replace(cb.tuning, stream_gemm_resident_ring=True, stream_gemm_w4_warps=warps)
+        plan = sg.weight_plan(n, k, cb.num_sms, 4, tuned)
+        deep = sg.deep_plan(plan, sg.resident_x_bytes(m, k, 4), sg.SMEM_BUDGET)
+        assert (deep.t, deep.grid) == (plan.t, plan.grid) and deep.stages > plan.stages
+        y = cp.empty((m, n), cp.float32)
+        sg.stream_gemm(x, w, y, cb.num_sms, tuned)
+        assert cp.array_equal(bits(y), bits(ref)), warps
 
 
 def test_fp4_wide_swiglu(cb, rng):

@@ -264,7 +264,7 @@ def test_prefetch_all_changes_no_bit(cb, rng, m):
     for kib in (116, 144):
         tuned = dataclasses.replace(cb.tuning, stream_gemm_prefetch_all_kib=kib)
         plan = sg.weight_plan(H, K_IN, cb.num_sms, 16, tuned)
-        deep = sg.prefetch_plan(plan, sg.resident_x_bytes(m, K_IN), kib << 10)
+        deep = sg.deep_plan(plan, sg.resident_x_bytes(m, K_IN), kib << 10)
         assert (deep.t, deep.grid) == (plan.t, plan.grid) and plan.stages <= deep.stages <= 16
         assert kib < 144 or deep.stages > plan.stages
         assert deep.smem(sg.resident_x_bytes(m, K_IN)) <= max(kib << 10, sg.SMEM_BUDGET)
