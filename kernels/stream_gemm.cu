@@ -98,7 +98,9 @@
 // one 16-byte read (no permutation: the MMA's k index 2 c, 2 c + 1 <- column 8 c, 8 c + 1, 2 c + 8, 9 + 2 c <-
 // 8 c + 2, 8 c + 3, and 8 c + 4 .. for the chunk's second step). Each decoded pair is multiplied (bf16, exactly) by
 // its scale, so the MMA takes code * scale * 2^-7 as it is; the two chunks are two accumulator chains, added at the
-// block's end, where warp 0 multiplies each row's float32 sum by its global scale * 2^7.
+// block's end, where warp 0 multiplies each row's float32 sum by its global scale * 2^7. With sixteen compute warps
+// (CW = 16) each warp holds one chunk of 32 columns (ldmatrix.x2), warps 2 w and 2 w + 1 the two chains of warp w of
+// eight, and each pair adds its two chains before the warps' sums are added in order: the eight warps' bits.
 #include "mma.cuh"
 #include "nvfp4.cuh"
 
