@@ -21,8 +21,8 @@ included.
 
 A few rows of x (a decode step at batch 1: one row of 8-24 KiB) are copied into shared memory once, after the wait,
 instead of in boxes beside every weight stage (`resident_x_bytes`): the ring then holds weight alone, in as many
-stages as with boxes (a deeper FP8 ring changed nothing; `tuning.stream_gemm_resident_ring` fills the shared memory
-instead, `deep_plan`, for the shallower NVFP4 ring's A/B). Only where x's bytes come from changes, not the
+stages as with boxes (a deeper FP8 ring changed nothing; `tuning.stream_gemm_resident_stages` deepens a shallow one,
+`deep_plan`). Only where x's bytes come from changes, not the
 MMAs or their order, so the bits are the same either way.
 
 Two epilogues remove the RMSNorm launches between a layer's GEMMs (`Epilogue`): the GEMM in front of a norm
@@ -269,15 +269,15 @@ def launch_plan(m: int, n: int, k: int, num_sms: int, bits: int, tuning: CudaTun
     return wide_plan(n, k, num_sms, bits, _warps(bits, tuning), nt, tuning.stream_gemm_split)
 
 
-def deep_plan(plan: Plan, x_bytes: int | None, smem: int) -> Plan:
-    """The plan with the same blocks and grid (so the same sums and bits) and the ring as deep as `smem` allows: for
-    a launch behind kernels that leave HBM idle (attention, the GDN mixer), which requests all of it before the wait
-    (tuning.stream_gemm_prefetch_all_kib), and for resident x (tuning.stream_gemm_resident_ring). Wide and split
-    plans are kept as they are."""
+def deep_plan(plan: Plan, x_bytes: int | None, smem: int, most: int = MAX_STAGES) -> Plan:
+    """The plan with the same blocks and grid (so the same sums and bits) and the ring as deep as `smem` allows, up
+    to `most` stages (never shallower than the plan's): for a launch behind kernels that leave HBM idle (attention,
+    the GDN mixer), which requests all of it before the wait (tuning.stream_gemm_prefetch_all_kib), and for resident
+    x (tuning.stream_gemm_resident_stages). Wide and split plans are kept as they are."""
     if plan.nt > 2 or plan.split:
         return plan
     room = smem - Plan.fixed_bytes(plan.t, plan.warps, plan.nt) - (x_bytes or 0)
-    stages = ring_stages(room, Plan.stage_bytes(plan.t, x_bytes is not None, plan.bits, plan.nt))
+    stages = min(most, ring_stages(room, Plan.stage_bytes(plan.t, x_bytes is not None, plan.bits, plan.nt)))
     return replace(plan, stages=max(plan.stages, stages))
 
 
@@ -508,8 +508,8 @@ def _launch(x: cupy.ndarray, w: Weight, y: cupy.ndarray, num_sms: int, tuning: C
         raise BackendError(f"stream_gemm: the norm epilogues take at most {MAX_ROWS} rows, not {m}")
     plan = launch_plan(m, n, k, num_sms, bits, tuning)
     x_bytes = resident_x_bytes(m, k, bits)
-    if x_bytes is not None and tuning.stream_gemm_resident_ring:
-        plan = deep_plan(plan, x_bytes, SMEM_BUDGET)
+    if x_bytes is not None and plan.stages < tuning.stream_gemm_resident_stages:
+        plan = deep_plan(plan, x_bytes, SMEM_BUDGET, tuning.stream_gemm_resident_stages)
     prefill = tuning.stream_gemm_prefill_stages
     if prefetch_all and tuning.stream_gemm_prefetch_all_kib:
         plan = deep_plan(plan, x_bytes, tuning.stream_gemm_prefetch_all_kib << 10)

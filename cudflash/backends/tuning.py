@@ -35,11 +35,12 @@ class CudaTuning:
     # An A/B switch: on its own no faster (BENCHMARKS.md, session 33), since the GEMM's CTAs on the SMs of the
     # attention combine start only when it ends.
     stream_gemm_prefetch_all_kib: int = 0
-    # A stream GEMM with x resident (decode rows) fills the shared memory it requests anyway with ring stages (the
-    # same blocks and grid: no bit changes) instead of keeping the stage count of x in boxes. For NVFP4, whose stage
-    # with x resident is 9 KB against 25 KB with boxes, that is 36 -> 72-90 KB in flight per SM (FP8: 49 -> 66-90).
-    # The stages before the wait stay stream_gemm_prefill_stages. An A/B switch, off until measured.
-    stream_gemm_resident_ring: bool = False
+    # A stream GEMM with x resident (decode rows) deepens its ring to at least this many stages where the shared
+    # memory it requests anyway allows (the same blocks and grid: no bit changes); 0 keeps the stage count of x in
+    # boxes. NVFP4's gate_up keeps 2 stages of 18 KB that way. The stages before the wait stay
+    # stream_gemm_prefill_stages. An A/B switch until measured (16, a full ring, sped gate_up and slowed o_proj and
+    # down: BENCHMARKS.md, session 35).
+    stream_gemm_resident_stages: int = 0
     # Every kernel's preferred shared-memory carveout (percent of the SM's unified L1 / shared memory; -1: the
     # driver's choice). An SM configured for a kernel of little shared memory cannot take a stream GEMM CTA until
     # it drains, so a GEMM launched early under PDL finds no room on the SMs of a small kernel in front of it.
@@ -128,6 +129,9 @@ class CudaTuning:
             raise ConfigError(f"tuning.quantized_launch_rows: 16, 32 or 64, got {self.quantized_launch_rows}")
         if self.stream_gemm_w8_warps not in (4, 8):
             raise ConfigError(f"tuning.stream_gemm_w8_warps: 4 or 8, got {self.stream_gemm_w8_warps}")
+        if not 0 <= self.stream_gemm_resident_stages <= 16:
+            raise ConfigError(f"tuning.stream_gemm_resident_stages: 0 to 16 (MAX_STAGES), got "
+                              f"{self.stream_gemm_resident_stages}")
         if self.stream_gemm_w4_warps not in (8, 16):
             raise ConfigError(f"tuning.stream_gemm_w4_warps: 8 or 16, got {self.stream_gemm_w4_warps}")
         if self.invariant_max_context > INVARIANT_CONTEXT_LIMIT:

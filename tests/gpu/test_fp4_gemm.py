@@ -151,24 +151,26 @@ def test_sixteen_warps_have_the_bits_of_eight(cb, rng, n, k):
 
 
 @pytest.mark.parametrize("m", [1, 3])  # x resident
-def test_a_full_resident_ring_changes_no_bit(cb, rng, m):
-    """tuning.stream_gemm_resident_ring: with x resident the ring fills the CTA's shared memory (more stages, the
-    same blocks and grid), alone and with sixteen warps: the outputs keep the default's bits."""
+@pytest.mark.parametrize("n", [4096, 24576])  # o_proj's 4 stages, gate_up's 2 (8 warps)
+def test_a_deeper_resident_ring_changes_no_bit(cb, rng, m, n):
+    """tuning.stream_gemm_resident_stages: with x resident the ring deepens (more stages, the same blocks and grid),
+    to 4 stages or as far as the shared memory goes, alone and with sixteen warps: the outputs keep the default's
+    bits."""
     skip_without_tma()
-    n, k = 4096, 4096
+    k = 4096
     assert sg.resident_x_bytes(m, k, 4) is not None
     w = fp4_weight.upload(quantized(rng, n, k, scale=k ** -0.5))
     x = cb.asarray(rnd(rng, m, k), "act")
     ref = cp.empty((m, n), cp.float32)
     sg.stream_gemm(x, w, ref, cb.num_sms, cb.tuning)
-    for warps in (8, 16):
-        tuned = dataclasses.replace(cb.tuning, stream_gemm_resident_ring=True, stream_gemm_w4_warps=warps)
+    for stages, warps in ((4, 8), (16, 8), (16, 16)):
+        tuned = dataclasses.replace(cb.tuning, stream_gemm_resident_stages=stages, stream_gemm_w4_warps=warps)
         plan = sg.weight_plan(n, k, cb.num_sms, 4, tuned)
-        deep = sg.deep_plan(plan, sg.resident_x_bytes(m, k, 4), sg.SMEM_BUDGET)
-        assert (deep.t, deep.grid) == (plan.t, plan.grid) and deep.stages > plan.stages
+        deep = sg.deep_plan(plan, sg.resident_x_bytes(m, k, 4), sg.SMEM_BUDGET, stages)
+        assert (deep.t, deep.grid) == (plan.t, plan.grid) and deep.stages >= min(stages, plan.stages + 1)
         y = cp.empty((m, n), cp.float32)
         sg.stream_gemm(x, w, y, cb.num_sms, tuned)
-        assert cp.array_equal(bits(y), bits(ref)), warps
+        assert cp.array_equal(bits(y), bits(ref)), (stages, warps)
 
 
 def test_fp4_wide_swiglu(cb, rng):
