@@ -24,9 +24,9 @@
 // a CTA's first work and the owner's wait its last, so the wait is short; it needs every CTA resident at once
 // (the plan: grid <= SMs, one CTA per SM by its shared memory). The order of every sum still depends on the plan
 // alone, never on M.
-// Warps: 0..CW-1 compute (CW = 4, or 8 for W8 and W4: two per scheduler, below; W4 also 16), warp CW copies (its
-// lane 0 arms a stage's barrier with the byte count and issues the stage's box copies; W8: all its lanes also stage
-// the scales, below). Barriers: full[s] (1 arrival + the bytes; W8: 1 + 32 arrivals), empty[s] (one per compute warp).
+// Warps: 0..CW-1 compute (CW = 4, or 8 for W8 and W4: two per scheduler, below), warp CW copies (its lane 0 arms
+// a stage's barrier with the byte count and issues the stage's box copies; W8: all its lanes also stage the
+// scales, below). Barriers: full[s] (1 arrival + the bytes; W8: 1 + 32 arrivals), empty[s] (one per compute warp).
 // Before griddepcontrol.wait the copy warp requests the weight boxes of the first `prefill` stages; the rest of the
 // ring and x's boxes follow the wait. (A stage or two is the head start; a full ring's prefill only competes with
 // the latency-bound kernels in front for HBM: the tuning's stream_gemm_prefill_stages.)
@@ -98,9 +98,7 @@
 // one 16-byte read (no permutation: the MMA's k index 2 c, 2 c + 1 <- column 8 c, 8 c + 1, 2 c + 8, 9 + 2 c <-
 // 8 c + 2, 8 c + 3, and 8 c + 4 .. for the chunk's second step). Each decoded pair is multiplied (bf16, exactly) by
 // its scale, so the MMA takes code * scale * 2^-7 as it is; the two chunks are two accumulator chains, added at the
-// block's end, where warp 0 multiplies each row's float32 sum by its global scale * 2^7. With sixteen compute warps
-// (CW = 16) each warp holds one chunk of 32 columns (ldmatrix.x2), warps 2 w and 2 w + 1 the two chains of warp w of
-// eight, and each pair adds its two chains before the warps' sums are added in order: the eight warps' bits.
+// block's end, where warp 0 multiplies each row's float32 sum by its global scale * 2^7.
 #include "mma.cuh"
 #include "nvfp4.cuh"
 
@@ -202,8 +200,7 @@ __device__ __forceinline__ void store_y(bf16* p, float v) { *p = __float2bfloat1
 // (W8: KT / 128 boxes of 16 T x 128 uint8) [KT / 64 x boxes of 16 x 64] bf16 (XRES: the weight boxes alone), each
 // box rows of 128 bytes in the 128-byte swizzle (16-byte chunk j of row r sits at chunk j ^ (r % 8): ldmatrix's
 // eight rows hit eight different banks); XRES: then x's M rows of K bf16, XROW = 2 K + 16 bytes apart (W8: + 32, so
-// the eight-byte reads of eight rows g at 8 c hit distinct banks); then the partials red[RED][T][NT][4][32] float32
-// (RED = CW - 1 slots, W4 with 16 warps: 8);
+// the eight-byte reads of eight rows g at 8 c hit distinct banks); then the partials red[CW - 1][T][NT][4][32] float32;
 // then full[stages], empty[stages] and (XRES) the x barrier; W8: then, 16 bytes past the x barrier's slot, the
 // staged scales scs[stages][2][16 T] float32 ([stage][scale column of the stage][row of the block]). W4: a stage is
 // [2 code boxes of 16 T x 128 bytes][x boxes unless XRES][scale box 16 T x KT / 16 bytes], rounded up to 1024
@@ -220,11 +217,11 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     pdl_launch_dependents();
     static_assert(!XRES || NT == 1, "resident x rows are addressed for one token tile");
     static_assert(T * NT * 4 <= SG_SPLIT_ACC, "a split block's partial fits SplitK.part");
-    static_assert(CW == 4 || CW == 8 || (CW == 16 && WB == 4), "four or eight compute warps, or sixteen for W4");
+    static_assert(CW == 4 || CW == 8, "four or eight compute warps");
     constexpr bool W8 = WB == 8, W4 = WB == 4;  // the weight's bits per element (16: bf16)
     static_assert(WB == 16 || W8 || W4, "bf16, FP8 or NVFP4 weights");
     static_assert(!W8 || (KT == 256 && SG_W8_BLOCK % (KT / CW) == 0), "a warp's columns of a stage lie in one scale block");
-    static_assert(!W4 || (KT == 512 && CW >= 8), "W4: a warp's 64 or 32 columns of a stage, one ldmatrix per tile");
+    static_assert(!W4 || (KT == 512 && CW == 8), "W4: a warp's 64 columns of a stage are one ldmatrix.x4 per tile");
     constexpr bool COUNTED = W8 || W4;  // ring positions counted, not divided (below)
     constexpr int WCOLS = KT / CW;  // stage columns of one compute warp: [warp WCOLS, + WCOLS)
     constexpr int BOXES = KT / 64;                     // x boxes per stage (and bf16 weight boxes)
@@ -240,17 +237,13 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
     constexpr int STAGE_TX = WBOXES * WBOX + (XRES ? 0 : BOXES * XBOX) + SBOX;  // bytes the copies bring
     constexpr int STAGE = (STAGE_TX + 1023) & ~1023;  // stages 1024-byte aligned (the swizzle's boxes)
     constexpr int NACC = T * NT * 4;  // accumulators per lane
-    // W4: a warp's 32-column chunks of a stage, each its own accumulator chain (acc, acc4). Sixteen warps hold one
-    // chunk each, the chunks that eight warps hold two of: the same chains, so the same bits (below).
-    constexpr int CHUNKS = W4 ? WCOLS / 32 : 1;
-    constexpr int RED = CW == 16 ? CW / 2 : CW - 1;  // partial slots in red (the final sums, below)
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const unsigned raw = smem_addr(smem_raw);
     const unsigned ring = (raw + 1023) & ~1023u;
     unsigned char* smem = smem_raw + (ring - raw);
     const unsigned xs = ring + stages * STAGE, xrow = 2 * K + (W4 ? 64 : W8 ? 32 : 16);  // XRES: x's rows
-    float* red = reinterpret_cast<float*>(smem + (size_t)stages * STAGE + (XRES ? M * xrow : 0));  // [RED][NACC][32]
-    const unsigned full0 = smem_addr(red + RED * NACC * 32), empty0 = full0 + 8 * stages, xbar = empty0 + 8 * stages;
+    float* red = reinterpret_cast<float*>(smem + (size_t)stages * STAGE + (XRES ? M * xrow : 0));  // [CW-1][NACC][32]
+    const unsigned full0 = smem_addr(red + (CW - 1) * NACC * 32), empty0 = full0 + 8 * stages, xbar = empty0 + 8 * stages;
     const unsigned scs = xbar + 16;  // W8: the staged scales scs[stages][2][16 T]
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -397,14 +390,14 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
         for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
         if (j == 0 && (CW == 4 || m < SG_MAX_ROWS)) row_scale[m] = rsqrtf(sum / (float)epi.width + epi.eps);  // read after the block's bar.sync
     }
-    float acc[T][NT][4], acc4[CHUNKS == 2 ? T : 1][NT][4];  // W4, 8 warps: acc4 the chain of columns 32..63
+    float acc[T][NT][4], acc4[W4 ? T : 1][NT][4];  // W4: acc4 the second chain (columns 32..63 of a warp's)
     auto zero = [&]() {
 #pragma unroll
         for (int t = 0; t < T; ++t)
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
                 acc[t][n][0] = acc[t][n][1] = acc[t][n][2] = acc[t][n][3] = 0.f;
-                if constexpr (CHUNKS == 2) acc4[t][n][0] = acc4[t][n][1] = acc4[t][n][2] = acc4[t][n][3] = 0.f;
+                if constexpr (W4) acc4[t][n][0] = acc4[t][n][1] = acc4[t][n][2] = acc4[t][n][3] = 0.f;
             }
     };
     zero();
@@ -546,21 +539,18 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                         acc[t][n][r] += sc0[t][r >> 1] * sum;
                     }
         } else if constexpr (W4) {
-            // This warp's WCOLS columns of the stage, from e0: CHUNKS chunks of 32 columns, chunk h into its own
-            // chain (acc, acc4), two MMA steps each; it is 16-byte chunk (e0 % 256) / 32 + h of the rows of weight
-            // box e0 / 256. One ldmatrix per tile: r[2 h], r[2 h + 1] = rows g, g + 8 of columns 8 c .. 8 c + 7 of chunk h (x4
-            // for two chunks, x2 for one). The scales of rows 16 t + g (+ 8) are bytes 4 (e0 / 64) .. + 3 of the
-            // stage's scale rows (one per 16 columns): byte 2 (qw + h) + c / 2 is the lane's, qw = (e0 % 64) / 32.
-            const int e0 = warp * WCOLS, qw = (e0 % 64) / 32;
-            const unsigned sbase = base + STAGE_TX - SBOX + 4 * (e0 / 64);
-            const unsigned wa = base + (e0 / 256) * WBOX + a_row
-                + ((((e0 % 256) / 32 + (CHUNKS == 2 ? a_half : 0)) ^ key) << 4);
-            unsigned b[CHUNKS][NT][4];  // [chunk][token tile]: x[token][8 c .. 8 c + 7] of the chunk, bf16 pairs
+            // This warp's 64 columns of the stage: byte 32 (warp % 4) of weight box warp / 4, one ldmatrix.x4 per
+            // tile (r0, r1: rows g, g + 8 of columns 8 c .. 8 c + 7; r2, r3: of 32 + 8 c ..), four MMA steps, chunk h
+            // of 32 columns into its own chain (acc, acc4). The scales of rows 16 t + g (+ 8) are bytes 4 warp .. + 3
+            // of the stage's scale rows (one per 16 columns): byte 2 h + c / 2 is the lane's in chunk h.
+            const unsigned sbase = base + STAGE_TX - SBOX + 4 * warp;
+            const unsigned wa = base + (warp / 4) * WBOX + a_row + (((2 * (warp % 4) + a_half) ^ key) << 4);
+            unsigned b[2][NT][4];  // [chunk][token tile]: x[token][8 c .. 8 c + 7] of the chunk, bf16 pairs
 #pragma unroll
-            for (int h = 0; h < CHUNKS; ++h)
+            for (int h = 0; h < 2; ++h)
 #pragma unroll
                 for (int n = 0; n < NT; ++n) {
-                    const int e = e0 + 32 * h + 8 * c;  // stage column
+                    const int e = warp * WCOLS + 32 * h + 8 * c;  // stage column
                     const int xe = e % 64;
                     const unsigned xa = XRES
                         ? b_res8 + 2 * (kt() * KT + e)
@@ -570,14 +560,13 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                 }
 #pragma unroll
             for (int t = 0; t < T; ++t) {
-                unsigned r[2 * CHUNKS];
-                if constexpr (CHUNKS == 2) ldmatrix_x4(wa + t * 16 * 128, r[0], r[1], r[2], r[3]);
-                else ldmatrix_x2(wa + t * 16 * 128, r[0], r[1]);
+                unsigned r[4];
+                ldmatrix_x4(wa + t * 16 * 128, r[0], r[1], r[2], r[3]);
                 const unsigned s_lo = __float_as_uint(lds32(sbase + (16 * t + g) * (KT / 16)));
                 const unsigned s_hi = __float_as_uint(lds32(sbase + (16 * t + g + 8) * (KT / 16)));
 #pragma unroll
-                for (int h = 0; h < CHUNKS; ++h) {
-                    const unsigned sel = 0x4040u + 0x0101u * (2 * (qw + h) + (c >> 1));
+                for (int h = 0; h < 2; ++h) {
+                    const unsigned sel = 0x4040u + 0x0101u * (2 * h + (c >> 1));
                     const unsigned sg = w4_scale_pair(s_lo, sel), sg8 = w4_scale_pair(s_hi, sel);
                     unsigned pg[4], pg8[4];
                     e2m1x8_to_bf16(r[2 * h], pg);
@@ -617,17 +606,15 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
 
         if (kt() + 1 != ktiles && i + 1 != total) continue;
         // End of a row block, or of this CTA's part of it: add the CW warps' partials in a fixed order, then (a
-        // block it owns) the other CTAs' parts and write the outputs (W4: each warp's two chains, or a warp pair's,
-        // first; warp 0 then scales each row's sum by its global scale * 2^7, requested here so the load's latency
-        // passes under the barrier), or (a block it starts inside) hand its sums to the owner.
+        // block it owns) the other CTAs' parts and write the outputs (W4: each warp's two chains first; warp 0
+        // then scales each row's sum by its global scale * 2^7, requested here so the load's latency passes
+        // under the barrier), or (a block it starts inside) hand its sums to the owner.
         const bool part_only = SPLIT && blk() == blk0 && kt0 > 0;  // CTA-uniform, as every branch here
         float gs[W4 ? T : 1][2];
         float* mine = &acc[0][0][0];  // acc[t][n][q] at (t NT + n) 4 + q
-        if constexpr (CHUNKS == 2) {
+        if constexpr (W4) {
 #pragma unroll
             for (int r = 0; r < NACC; ++r) mine[r] += (&acc4[0][0][0])[r];
-        }
-        if constexpr (W4) {
             if (warp == 0 && !part_only) {
 #pragma unroll
                 for (int t = 0; t < T; ++t)
@@ -638,29 +625,14 @@ stream_gemm(const __grid_constant__ TensorMap wmap, const __grid_constant__ Tens
                     }
             }
         }
-        if constexpr (CW == 16) {
-            // Warp 2 w + 1's chain into warp 2 w's first: the sum that warp w of eight forms of its two chains.
-            if (warp & 1) {
+        if (warp > 0) {
 #pragma unroll
-                for (int r = 0; r < NACC; ++r) red[((warp / 2) * NACC + r) * 32 + lane] = mine[r];
-            }
-            asm volatile("bar.sync 1, %0;" ::"n"(32 * CW) : "memory");
-            if (!(warp & 1)) {
-#pragma unroll
-                for (int r = 0; r < NACC; ++r) mine[r] += red[((warp / 2) * NACC + r) * 32 + lane];
-            }
-            asm volatile("bar.sync 1, %0;" ::"n"(32 * CW) : "memory");
-        }
-        // Then the (paired) warps' sums in warp order into warp 0's: PAIR warps form one of the CW / PAIR sums.
-        constexpr int PAIR = CW == 16 ? 2 : 1;
-        if (warp > 0 && warp % PAIR == 0) {
-#pragma unroll
-            for (int r = 0; r < NACC; ++r) red[((warp / PAIR - 1) * NACC + r) * 32 + lane] = mine[r];
+            for (int r = 0; r < NACC; ++r) red[((warp - 1) * NACC + r) * 32 + lane] = mine[r];
         }
         asm volatile("bar.sync 1, %0;" ::"n"(32 * CW) : "memory");
         const int row0 = blk() * 16 * T;
         if (warp == 0) {
-            for (int p = 0; p < CW / PAIR - 1; ++p) {
+            for (int p = 0; p < CW - 1; ++p) {
 #pragma unroll
                 for (int r = 0; r < NACC; ++r) mine[r] += red[(p * NACC + r) * 32 + lane];
             }

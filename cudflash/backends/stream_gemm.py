@@ -21,8 +21,8 @@ included.
 
 A few rows of x (a decode step at batch 1: one row of 8-24 KiB) are copied into shared memory once, after the wait,
 instead of in boxes beside every weight stage (`resident_x_bytes`): the ring then holds weight alone, in as many
-stages as with boxes (a deeper FP8 ring changed nothing; `tuning.stream_gemm_resident_stages` deepens a shallow one,
-`deep_plan`). Only where x's bytes come from changes, not the
+stages as with boxes, or for a quantized weight at least `tuning.stream_gemm_resident_stages` (`deep_plan`: its
+stages are small, and two or three of them hold too little in flight). Only where x's bytes come from changes, not the
 MMAs or their order, so the bits are the same either way.
 
 Two epilogues remove the RMSNorm launches between a layer's GEMMs (`Epilogue`): the GEMM in front of a norm
@@ -90,6 +90,7 @@ SPLIT_MAX_OCCUPANCY = 0.75
 SPLIT_T = 2  # a split plan's row blocks: a ring of 4 stages (t = 4 has 2); WIDE_MAX_T's smallest, for wide launches
 KT = 256  # K columns per ring stage (bf16, FP8): 64 per compute warp, four k16 MMA steps
 KT_W4 = 512  # per ring stage of an NVFP4 weight: the code bytes of an FP8 stage
+W4_WARPS = 8  # compute warps over an NVFP4 weight: 64 columns of a stage each (one ldmatrix.x4 per tile)
 BOX_K = 64  # K columns per TMA box: 128 bytes, the span of the 128-byte swizzle
 X_RESIDENT_BYTES = 32 << 10  # x's rows are resident (see above) while they take at most this much shared memory
 # Shared memory per CTA, all of it requested: more than half an SM's 228 KiB, so two of these CTAs never share an
@@ -144,15 +145,9 @@ class Plan:
 
     @staticmethod
     def fixed_bytes(t: int, warps: int = BF16_WARPS, nt: int = 2) -> int:
-        """Everything but the ring and resident x: alignment slack, the partials red[red_slots(warps)][t][nt][4][32]
+        """Everything but the ring and resident x: alignment slack, the partials red[warps - 1][t][nt][4][32]
         float32, the barriers (full and empty for up to MAX_STAGES stages, the x barrier)."""
-        return 1024 + red_slots(warps) * t * nt * 4 * 32 * 4 + MAX_STAGES * 16 + 16
-
-
-def red_slots(warps: int) -> int:
-    """The kernel's RED: partial sums in shared memory at a block's end, one per warp but the first; sixteen warps
-    add in pairs first, eight slots."""
-    return warps // 2 if warps == 16 else warps - 1
+        return 1024 + (warps - 1) * t * nt * 4 * 32 * 4 + MAX_STAGES * 16 + 16
 
 
 def ring_stages(room: int, stage: int) -> int:
@@ -231,7 +226,7 @@ def weight_plan(n: int, k: int, num_sms: int, bits: int, tuning: CudaTuning) -> 
 
 
 def _warps(bits: int, tuning: CudaTuning) -> int:
-    return {16: BF16_WARPS, 8: tuning.stream_gemm_w8_warps, 4: tuning.stream_gemm_w4_warps}[bits]
+    return {16: BF16_WARPS, 8: tuning.stream_gemm_w8_warps, 4: W4_WARPS}[bits]
 
 
 @functools.cache
@@ -508,7 +503,7 @@ def _launch(x: cupy.ndarray, w: Weight, y: cupy.ndarray, num_sms: int, tuning: C
         raise BackendError(f"stream_gemm: the norm epilogues take at most {MAX_ROWS} rows, not {m}")
     plan = launch_plan(m, n, k, num_sms, bits, tuning)
     x_bytes = resident_x_bytes(m, k, bits)
-    if x_bytes is not None and plan.stages < tuning.stream_gemm_resident_stages:
+    if x_bytes is not None and bits < 16 and plan.stages < tuning.stream_gemm_resident_stages:
         plan = deep_plan(plan, x_bytes, SMEM_BUDGET, tuning.stream_gemm_resident_stages)
     prefill = tuning.stream_gemm_prefill_stages
     if prefetch_all and tuning.stream_gemm_prefetch_all_kib:

@@ -35,12 +35,13 @@ class CudaTuning:
     # An A/B switch: on its own no faster (BENCHMARKS.md, session 33), since the GEMM's CTAs on the SMs of the
     # attention combine start only when it ends.
     stream_gemm_prefetch_all_kib: int = 0
-    # A stream GEMM with x resident (decode rows) deepens its ring to at least this many stages where the shared
-    # memory it requests anyway allows (the same blocks and grid: no bit changes); 0 keeps the stage count of x in
-    # boxes. NVFP4's gate_up keeps 2 stages of 18 KB that way. The stages before the wait stay
-    # stream_gemm_prefill_stages. An A/B switch until measured (16, a full ring, sped gate_up and slowed o_proj and
-    # down: BENCHMARKS.md, session 35).
-    stream_gemm_resident_stages: int = 0
+    # A stream GEMM over an FP8 / NVFP4 weight with x resident (decode rows) deepens its ring to at least this many
+    # stages where the shared memory it requests anyway allows (the same blocks and grid: no bit changes); 0 keeps
+    # the stage count of x in boxes. Their stages are small (NVFP4's gate_up: 18 KB), so 2 or 3 of them hold too
+    # little in flight: 4 took the 8B AR step 2.56 -> 2.47 ms (NVFP4) and 3.34 -> 3.29 (FP8) on an H100, while a
+    # full ring slowed the GEMMs it took past 4 stages, and bf16's qkv (3 stages of 24 KB) was 0.5% slower with 4
+    # (BENCHMARKS.md, session 35). The stages before the wait stay stream_gemm_prefill_stages.
+    stream_gemm_resident_stages: int = 4
     # Every kernel's preferred shared-memory carveout (percent of the SM's unified L1 / shared memory; -1: the
     # driver's choice). An SM configured for a kernel of little shared memory cannot take a stream GEMM CTA until
     # it drains, so a GEMM launched early under PDL finds no room on the SMs of a small kernel in front of it.
@@ -73,9 +74,6 @@ class CudaTuning:
     # Compute warps of the streaming GEMM over an FP8 weight: 4 (one per scheduler) or 8 (two). Part of the plan: the
     # summation order depends on it, never on the rows (kernels/stream_gemm.cu).
     stream_gemm_w8_warps: int = 8
-    # Compute warps over an NVFP4 weight: 8 (64 columns of a stage each, two accumulator chains) or 16 (32 columns,
-    # one chain: the same chains, added in the same order, so the same bits).
-    stream_gemm_w4_warps: int = 8
     # FP8 / NVFP4 products of more than 16 rows and up to this many stream the codes, in launches of
     # quantized_launch_rows rows, each reading the whole weight (the rows keep the bits they have alone). Of a product
     # of more rows, the rows that need no decode's rounding (Backend.inexact_rows: prefill chunks, a drafter's rows)
@@ -132,8 +130,6 @@ class CudaTuning:
         if not 0 <= self.stream_gemm_resident_stages <= 16:
             raise ConfigError(f"tuning.stream_gemm_resident_stages: 0 to 16 (MAX_STAGES), got "
                               f"{self.stream_gemm_resident_stages}")
-        if self.stream_gemm_w4_warps not in (8, 16):
-            raise ConfigError(f"tuning.stream_gemm_w4_warps: 8 or 16, got {self.stream_gemm_w4_warps}")
         if self.invariant_max_context > INVARIANT_CONTEXT_LIMIT:
             raise ConfigError(f"tuning.invariant_max_context: at most {INVARIANT_CONTEXT_LIMIT} keys, got "
                               f"{self.invariant_max_context}")

@@ -4,8 +4,6 @@ and the many-row path (dequantized to bf16, then cuBLAS), against numpy's float3
 epilogue, per-row global scales (fused parts), and the invariances the engine relies on."""
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -21,7 +19,8 @@ from cudflash.tiny import float32_to_bf16_bits  # noqa: E402
 
 from .test_ops import check, rnd  # noqa: E402
 from .test_quant_gemm import (  # noqa: E402
-    check_epilogues, check_routes, check_row_slice, check_rows_alone, check_stream_gemm, check_wide_swiglu, ref_gemm)
+    check_deeper_resident_ring, check_epilogues, check_routes, check_row_slice, check_rows_alone, check_stream_gemm,
+    check_wide_swiglu, ref_gemm)
 from .test_stream_gemm import skip_without_tma  # noqa: E402
 
 FINITE_E4M3 = np.array([c for c in range(256) if (c & 0x7F) != 0x7F], dtype=np.uint8)
@@ -115,62 +114,12 @@ def test_fp4_epilogues_match_numpy(cb, rng, m):
     check_epilogues(cb, rng, m, quantized, 1536, Fp4Weight)
 
 
-# whole blocks of 1..4 tiles, 19 blocks over a long K, a split plan (on 132 SMs), qwen3-4b's K
-@pytest.mark.parametrize("n,k", [(4096, 4096), (24576, 1024), (296, 12288), (256, 16384), (2560, 2560)])
-def test_sixteen_warps_have_the_bits_of_eight(cb, rng, n, k):
-    """tuning.stream_gemm_w4_warps = 16: warps 2 w and 2 w + 1 run the two accumulator chains that warp w of eight
-    runs, and add them first, so every output has the bits of the eight warps' (x resident, in boxes, a wide
-    launch; the add-norm producer, its row-scaled SwiGLU consumer)."""
-    skip_without_tma()
-    t16 = dataclasses.replace(cb.tuning, stream_gemm_w4_warps=16)
-    assert sg.weight_plan(n, k, cb.num_sms, 4, t16).warps == 16
-    w = fp4_weight.upload(quantized(rng, n, k, scale=k ** -0.5))
-    chain = n in (4096, 2560)  # the add-norm producer's output is a streamable consumer's x
-    if chain:
-        gate_up = cb.gate_up_weight(cb.load_quantized(quantized(rng, 1000, n, n ** -0.5)),
-                                    cb.load_quantized(quantized(rng, 1000, n, n ** -0.5)))
-    for m in (1, 9, 16, 32):
-        x = cb.asarray(rnd(rng, m, k), "act")
-        ys = []
-        for tuning in (cb.tuning, t16):
-            y = cp.empty((m, n), cp.float32)
-            sg.stream_gemm(x, w, y, cb.num_sms, tuning)
-            ys.append(y)
-        assert cp.array_equal(bits(ys[0]), bits(ys[1])), m
-        if m > sg.MAX_ROWS or not chain:
-            continue
-        res, nw = cp.asarray(rng.standard_normal((m, n)).astype(np.float32)), cb.asarray(rnd(rng, n) + 1, "act")
-        outs = []
-        for tuning in (cb.tuning, t16):
-            normed, r = sg.add_norm(x, w, res, nw, 1e-6, cb.num_sms, tuning)
-            act = cp.empty((m, 1000), x.dtype)
-            sg.row_scaled(normed, gate_up, act, cb.num_sms, tuning, swiglu=True)
-            outs.append((r, normed.partial.normed, normed.partial.ssq, act))
-        for a, b in zip(*outs):
-            assert cp.array_equal(bits(a), bits(b)), m
-
-
 @pytest.mark.parametrize("m", [1, 3])  # x resident
-@pytest.mark.parametrize("n", [4096, 24576])  # o_proj's 4 stages, gate_up's 2 (8 warps)
-def test_a_deeper_resident_ring_changes_no_bit(cb, rng, m, n):
-    """tuning.stream_gemm_resident_stages: with x resident the ring deepens (more stages, the same blocks and grid),
-    to 4 stages or as far as the shared memory goes, alone and with sixteen warps: the outputs keep the default's
-    bits."""
-    skip_without_tma()
-    k = 4096
-    assert sg.resident_x_bytes(m, k, 4) is not None
-    w = fp4_weight.upload(quantized(rng, n, k, scale=k ** -0.5))
-    x = cb.asarray(rnd(rng, m, k), "act")
-    ref = cp.empty((m, n), cp.float32)
-    sg.stream_gemm(x, w, ref, cb.num_sms, cb.tuning)
-    for stages, warps in ((4, 8), (16, 8), (16, 16)):
-        tuned = dataclasses.replace(cb.tuning, stream_gemm_resident_stages=stages, stream_gemm_w4_warps=warps)
-        plan = sg.weight_plan(n, k, cb.num_sms, 4, tuned)
-        deep = sg.deep_plan(plan, sg.resident_x_bytes(m, k, 4), sg.SMEM_BUDGET, stages)
-        assert (deep.t, deep.grid) == (plan.t, plan.grid) and deep.stages >= min(stages, plan.stages + 1)
-        y = cp.empty((m, n), cp.float32)
-        sg.stream_gemm(x, w, y, cb.num_sms, tuned)
-        assert cp.array_equal(bits(y), bits(ref)), (stages, warps)
+@pytest.mark.parametrize("n", [4096, 24576])  # o_proj's 4 stages, gate_up's 2
+def test_fp4_deeper_resident_ring_changes_no_bit(cb, rng, m, n):
+    """check_deeper_resident_ring on NVFP4 weights."""
+    qw = quantized(rng, n, 4096, scale=4096 ** -0.5)
+    check_deeper_resident_ring(cb, rng, fp4_weight.upload(qw), m)
 
 
 def test_fp4_wide_swiglu(cb, rng):
@@ -186,24 +135,22 @@ def test_a_row_slice_is_those_rows_of_the_weight(cb, rng):
 def test_fp4_plans_fit():
     """NVFP4 plans: the row blocks and grid of bf16's whole-block plan (its stages of 512 columns save half the tile
     stages a split would, so it splits less often: Qwen3-4B's down_proj stays whole), eight compute warps, a ring
-    that fits the request (and with sixteen warps)."""
+    that fits the request."""
     for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (2560, 9728), (200, 512)):
-        bf = sg.plan_for(n, k, 132, split=False)
-        for warps in (8, 16):
-            f4 = sg.weight_plan(n, k, 132, 4, cb_tuning(stream_gemm_w4_warps=warps))
-            assert (f4.t, f4.grid, f4.split) == (bf.t, bf.grid, False)
-            assert f4.warps == warps and f4.kt == 512 and f4.stages >= 2
-            for m in (1, 8, 16):
-                x_bytes = sg.resident_x_bytes(m, k, 4)
-                assert f4.smem(x_bytes) == sg.SMEM_BUDGET
-                assert f4.fixed_bytes(f4.t, warps) + f4.stages * f4.stage_bytes(f4.t, x_bytes is not None, 4) + (
-                    x_bytes or 0) <= sg.SMEM_BUDGET
+        bf, f4 = sg.plan_for(n, k, 132, split=False), sg.weight_plan(n, k, 132, 4, cb_tuning())
+        assert (f4.t, f4.grid, f4.split) == (bf.t, bf.grid, False)
+        assert f4.warps == 8 and f4.kt == 512 and f4.stages >= 2
+        for m in (1, 8, 16):
+            x_bytes = sg.resident_x_bytes(m, k, 4)
+            assert f4.smem(x_bytes) == sg.SMEM_BUDGET
+            assert f4.fixed_bytes(f4.t, 8) + f4.stages * f4.stage_bytes(f4.t, x_bytes is not None, 4) + (
+                x_bytes or 0) <= sg.SMEM_BUDGET
 
 
-def cb_tuning(**fields):
+def cb_tuning():
     from cudflash.backends.tuning import CudaTuning
 
-    return CudaTuning(nvfp4_on_device=True, **fields)
+    return CudaTuning(nvfp4_on_device=True)
 
 
 def test_random_fp4_has_the_requested_spread(cb):
