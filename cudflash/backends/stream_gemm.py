@@ -276,6 +276,17 @@ def deep_plan(plan: Plan, x_bytes: int | None, smem: int, most: int = MAX_STAGES
     return replace(plan, stages=max(plan.stages, stages))
 
 
+def floored_plan(plan: Plan, x_bytes: int | None, tuning: CudaTuning) -> Plan:
+    """The plan with its ring at least the tuning's floor deep where the shared memory allows (deep_plan: the same
+    blocks and grid, so the same bits): tuning.stream_gemm_resident_stages with x resident over a quantized weight,
+    within SMEM_BUDGET; tuning.stream_gemm_boxed_stages with x in boxes, within WIDE_SMEM_BUDGET."""
+    if x_bytes is not None:
+        floor, smem = (tuning.stream_gemm_resident_stages if plan.bits < 16 else 0), SMEM_BUDGET
+    else:
+        floor, smem = tuning.stream_gemm_boxed_stages, WIDE_SMEM_BUDGET
+    return deep_plan(plan, x_bytes, smem, floor) if plan.stages < floor else plan
+
+
 _SMEM_PER_SM, _SMEM_PER_BLOCK_OPTIN = 81, 97  # cudaDeviceAttr values
 
 
@@ -503,8 +514,7 @@ def _launch(x: cupy.ndarray, w: Weight, y: cupy.ndarray, num_sms: int, tuning: C
         raise BackendError(f"stream_gemm: the norm epilogues take at most {MAX_ROWS} rows, not {m}")
     plan = launch_plan(m, n, k, num_sms, bits, tuning)
     x_bytes = resident_x_bytes(m, k, bits)
-    if x_bytes is not None and bits < 16 and plan.stages < tuning.stream_gemm_resident_stages:
-        plan = deep_plan(plan, x_bytes, SMEM_BUDGET, tuning.stream_gemm_resident_stages)
+    plan = floored_plan(plan, x_bytes, tuning)
     prefill = tuning.stream_gemm_prefill_stages
     if prefetch_all and tuning.stream_gemm_prefetch_all_kib:
         plan = deep_plan(plan, x_bytes, tuning.stream_gemm_prefetch_all_kib << 10)

@@ -42,6 +42,12 @@ class CudaTuning:
     # full ring slowed the GEMMs it took past 4 stages, and bf16's qkv (3 stages of 24 KB) was 0.5% slower with 4
     # (BENCHMARKS.md, session 35). The stages before the wait stay stream_gemm_prefill_stages.
     stream_gemm_resident_stages: int = 4
+    # A stream GEMM of up to 16 rows with x in boxes (a verify's) deepens its ring to at least this many stages,
+    # requesting up to WIDE_SMEM_BUDGET (the same blocks and grid: no bit changes); 0 keeps the plan's. NVFP4's
+    # gate_up keeps 2 stages of 34 KB that way, one in flight while the other is read: less than an SM's share of
+    # the bandwidth times the HBM latency (BENCHMARKS.md, session 35). Past 116 KiB no attention CTA fits beside
+    # the GEMM's, so it may start later under PDL. An A/B switch, off until measured.
+    stream_gemm_boxed_stages: int = 0
     # Every kernel's preferred shared-memory carveout (percent of the SM's unified L1 / shared memory; -1: the
     # driver's choice). An SM configured for a kernel of little shared memory cannot take a stream GEMM CTA until
     # it drains, so a GEMM launched early under PDL finds no room on the SMs of a small kernel in front of it.
@@ -127,9 +133,9 @@ class CudaTuning:
             raise ConfigError(f"tuning.quantized_launch_rows: 16, 32 or 64, got {self.quantized_launch_rows}")
         if self.stream_gemm_w8_warps not in (4, 8):
             raise ConfigError(f"tuning.stream_gemm_w8_warps: 4 or 8, got {self.stream_gemm_w8_warps}")
-        if not 0 <= self.stream_gemm_resident_stages <= 16:
-            raise ConfigError(f"tuning.stream_gemm_resident_stages: 0 to 16 (MAX_STAGES), got "
-                              f"{self.stream_gemm_resident_stages}")
+        for name in ("stream_gemm_resident_stages", "stream_gemm_boxed_stages"):
+            if not 0 <= getattr(self, name) <= 16:
+                raise ConfigError(f"tuning.{name}: 0 to 16 (MAX_STAGES), got {getattr(self, name)}")
         if self.invariant_max_context > INVARIANT_CONTEXT_LIMIT:
             raise ConfigError(f"tuning.invariant_max_context: at most {INVARIANT_CONTEXT_LIMIT} keys, got "
                               f"{self.invariant_max_context}")

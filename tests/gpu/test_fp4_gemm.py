@@ -19,7 +19,7 @@ from cudflash.tiny import float32_to_bf16_bits  # noqa: E402
 
 from .test_ops import check, rnd  # noqa: E402
 from .test_quant_gemm import (  # noqa: E402
-    check_deeper_resident_ring, check_epilogues, check_routes, check_row_slice, check_rows_alone, check_stream_gemm,
+    check_deeper_ring, check_epilogues, check_routes, check_row_slice, check_rows_alone, check_stream_gemm,
     check_wide_swiglu, ref_gemm)
 from .test_stream_gemm import skip_without_tma  # noqa: E402
 
@@ -114,12 +114,12 @@ def test_fp4_epilogues_match_numpy(cb, rng, m):
     check_epilogues(cb, rng, m, quantized, 1536, Fp4Weight)
 
 
-@pytest.mark.parametrize("m", [1, 3])  # x resident
+@pytest.mark.parametrize("m", [1, 3, 9, 16])  # x resident, x in boxes
 @pytest.mark.parametrize("n", [4096, 24576])  # o_proj's 4 stages, gate_up's 2
-def test_fp4_deeper_resident_ring_changes_no_bit(cb, rng, m, n):
-    """check_deeper_resident_ring on NVFP4 weights."""
+def test_fp4_deeper_rings_change_no_bit(cb, rng, m, n):
+    """check_deeper_ring on NVFP4 weights."""
     qw = quantized(rng, n, 4096, scale=4096 ** -0.5)
-    check_deeper_resident_ring(cb, rng, fp4_weight.upload(qw), m)
+    check_deeper_ring(cb, rng, fp4_weight.upload(qw), m)
 
 
 def test_fp4_wide_swiglu(cb, rng):

@@ -24,7 +24,7 @@ from cudflash.quant import QuantizedWeight, concat_rows, dequantize, quantize_fp
 from cudflash.tiny import float32_to_bf16_bits  # noqa: E402
 
 from .test_ops import NAN_BITS, check, poison_pool, rnd  # noqa: E402
-from .test_stream_gemm import skip_without_tma  # noqa: E402
+from .test_stream_gemm import check_deeper_ring, skip_without_tma  # noqa: E402
 
 EPS = 1e-6
 # (N, K): N off the 128-row scale grid and off the 16-row tile (200, 1000), blocks of 1..4 tiles, several rounds of
@@ -270,35 +270,12 @@ def test_fp8_gemm_in_a_graph_reads_x_after_its_producer(cb, rng, m):
             check(cb.to_numpy(y), ref_gemm(2 * new, qw), tol=1e-5)
 
 
-@pytest.mark.parametrize("m", [1, 3])  # x resident
+@pytest.mark.parametrize("m", [1, 3, 9, 16])  # x resident, x in boxes
 @pytest.mark.parametrize("n", [4096, 24576])  # 6 ring stages, gate_up's 3
-def test_fp8_deeper_resident_ring_changes_no_bit(cb, rng, m, n):
-    """check_deeper_resident_ring on FP8 weights."""
+def test_fp8_deeper_rings_change_no_bit(cb, rng, m, n):
+    """check_deeper_ring on FP8 weights."""
     qw = quantized(rng, n, 4096, scale=4096 ** -0.5)
-    check_deeper_resident_ring(cb, rng, fp8_weight.upload(qw), m)
-
-
-def check_deeper_resident_ring(cb, rng, w, m: int) -> None:
-    """tuning.stream_gemm_resident_stages: with x [m, K] resident the ring of a launch over the quantized weight `w`
-    is at least that deep where the shared memory allows (the same blocks and grid, 4 stages by default, 16 the
-    most): the outputs keep the bits of the stage count of x in boxes (0)."""
-    skip_without_tma()
-    n, k = w.shape
-    bits_w = sg.weight_bits(w)
-    x_bytes = sg.resident_x_bytes(m, k, bits_w)
-    assert x_bytes is not None
-    x = cb.asarray(rnd(rng, m, k), "act")
-    shallow = dataclasses.replace(cb.tuning, stream_gemm_resident_stages=0)
-    plan = sg.weight_plan(n, k, cb.num_sms, bits_w, shallow)
-    ref = cp.empty((m, n), cp.float32)
-    sg.stream_gemm(x, w, ref, cb.num_sms, shallow)
-    for stages in (4, 16):
-        deep = sg.deep_plan(plan, x_bytes, sg.SMEM_BUDGET, stages)
-        assert (deep.t, deep.grid) == (plan.t, plan.grid) and deep.stages >= min(stages, plan.stages + 1)
-        assert deep.smem(x_bytes) == sg.SMEM_BUDGET
-        y = cp.empty((m, n), cp.float32)
-        sg.stream_gemm(x, w, y, cb.num_sms, dataclasses.replace(cb.tuning, stream_gemm_resident_stages=stages))
-        assert cp.array_equal(bits(y), bits(ref)), stages
+    check_deeper_ring(cb, rng, fp8_weight.upload(qw), m)
 
 
 def check_row_slice(cb, rng, w, lo: int, hi: int) -> None:
