@@ -21,7 +21,7 @@ included.
 
 A few rows of x (a decode step at batch 1: one row of 8-24 KiB) are copied into shared memory once, after the wait,
 instead of in boxes beside every weight stage (`resident_x_bytes`): the ring then holds weight alone, in as many
-stages as with boxes, or for a quantized weight at least `tuning.stream_gemm_resident_stages` (`deep_plan`: its
+stages as with boxes, or for a quantized weight at least `tuning.stream_gemm_resident_stages` (`floored_plan`: its
 stages are small, and two or three of them hold too little in flight). Only where x's bytes come from changes, not the
 MMAs or their order, so the bits are the same either way.
 
@@ -267,8 +267,8 @@ def launch_plan(m: int, n: int, k: int, num_sms: int, bits: int, tuning: CudaTun
 def deep_plan(plan: Plan, x_bytes: int | None, smem: int, most: int = MAX_STAGES) -> Plan:
     """The plan with the same blocks and grid (so the same sums and bits) and the ring as deep as `smem` allows, up
     to `most` stages (never shallower than the plan's): for a launch behind kernels that leave HBM idle (attention,
-    the GDN mixer), which requests all of it before the wait (tuning.stream_gemm_prefetch_all_kib), and for resident
-    x (tuning.stream_gemm_resident_stages). Wide and split plans are kept as they are."""
+    the GDN mixer), which requests all of it before the wait (tuning.stream_gemm_prefetch_all_kib), and for the
+    ring floors (floored_plan). Wide and split plans are kept as they are."""
     if plan.nt > 2 or plan.split:
         return plan
     room = smem - Plan.fixed_bytes(plan.t, plan.warps, plan.nt) - (x_bytes or 0)
