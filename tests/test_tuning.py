@@ -36,7 +36,7 @@ def test_values_are_read_as_their_fields_type_and_the_last_assignment_wins(tmp_p
     ("quantized_stream_max_rows=-16", "tuning.quantized_stream_max_rows: expected a non-negative integer, got -16"),
     ("quantized_launch_rows=48", "tuning.quantized_launch_rows: 16, 32 or 64, got 48"),
     ("stream_gemm_w8_warps=16", "tuning.stream_gemm_w8_warps: 4 or 8, got 16"),
-    ("stream_gemm_resident_stages=17", "tuning.stream_gemm_resident_stages: 0 to 16 .MAX_STAGES., got 17"),
+    ("stream_gemm_quantized_stages=17", "tuning.stream_gemm_quantized_stages: 0 to 16 .MAX_STAGES., got 17"),
     ("stream_gemm_prefetch_all_kib=-1", "tuning.stream_gemm_prefetch_all_kib: expected a non-negative integer"),
     ("stream_gemm_prefetch_all_kib=228", "tuning.stream_gemm_prefetch_all_kib: at most 227"),
     ("shared_memory_carveout=101", r"tuning.shared_memory_carveout: a percentage 0..100, or -1 \(the driver's"),

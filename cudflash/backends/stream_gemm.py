@@ -21,8 +21,9 @@ included.
 
 A few rows of x (a decode step at batch 1: one row of 8-24 KiB) are copied into shared memory once, after the wait,
 instead of in boxes beside every weight stage (`resident_x_bytes`): the ring then holds weight alone, in as many
-stages as with boxes, or for a quantized weight at least `tuning.stream_gemm_resident_stages` (`floored_plan`: its
-stages are small, and two or three of them hold too little in flight). Only where x's bytes come from changes, not the
+stages as with boxes. A quantized weight's ring, with x resident or in boxes, keeps at least
+`tuning.stream_gemm_quantized_stages` (`floored_plan`: its stages are small, and two or three of them hold too
+little in flight). Only where x's bytes come from changes, not the
 MMAs or their order, so the bits are the same either way.
 
 Two epilogues remove the RMSNorm launches between a layer's GEMMs (`Epilogue`): the GEMM in front of a norm
@@ -277,14 +278,13 @@ def deep_plan(plan: Plan, x_bytes: int | None, smem: int, most: int = MAX_STAGES
 
 
 def floored_plan(plan: Plan, x_bytes: int | None, tuning: CudaTuning) -> Plan:
-    """The plan with its ring at least the tuning's floor deep where the shared memory allows (deep_plan: the same
-    blocks and grid, so the same bits): tuning.stream_gemm_resident_stages with x resident over a quantized weight,
-    within SMEM_BUDGET; tuning.stream_gemm_boxed_stages with x in boxes, within WIDE_SMEM_BUDGET."""
-    if x_bytes is not None:
-        floor, smem = (tuning.stream_gemm_resident_stages if plan.bits < 16 else 0), SMEM_BUDGET
-    else:
-        floor, smem = tuning.stream_gemm_boxed_stages, WIDE_SMEM_BUDGET
-    return deep_plan(plan, x_bytes, smem, floor) if plan.stages < floor else plan
+    """The plan of a quantized weight with its ring at least tuning.stream_gemm_quantized_stages deep where the shared
+    memory allows (deep_plan: the same blocks and grid, so the same bits): within SMEM_BUDGET with x resident, within
+    WIDE_SMEM_BUDGET with x in boxes. A bf16 weight keeps its plan."""
+    floor = tuning.stream_gemm_quantized_stages if plan.bits < 16 else 0
+    if plan.stages >= floor:
+        return plan
+    return deep_plan(plan, x_bytes, SMEM_BUDGET if x_bytes is not None else WIDE_SMEM_BUDGET, floor)
 
 
 _SMEM_PER_SM, _SMEM_PER_BLOCK_OPTIN = 81, 97  # cudaDeviceAttr values

@@ -35,19 +35,15 @@ class CudaTuning:
     # An A/B switch: on its own no faster (BENCHMARKS.md, session 33), since the GEMM's CTAs on the SMs of the
     # attention combine start only when it ends.
     stream_gemm_prefetch_all_kib: int = 0
-    # A stream GEMM over an FP8 / NVFP4 weight with x resident (decode rows) deepens its ring to at least this many
-    # stages where the shared memory it requests anyway allows (the same blocks and grid: no bit changes); 0 keeps
-    # the stage count of x in boxes. Their stages are small (NVFP4's gate_up: 18 KB), so 2 or 3 of them hold too
-    # little in flight: 4 took the 8B AR step 2.56 -> 2.47 ms (NVFP4) and 3.34 -> 3.29 (FP8) on an H100, while a
-    # full ring slowed the GEMMs it took past 4 stages, and bf16's qkv (3 stages of 24 KB) was 0.5% slower with 4
-    # (BENCHMARKS.md, session 35). The stages before the wait stay stream_gemm_prefill_stages.
-    stream_gemm_resident_stages: int = 4
-    # A stream GEMM of up to 16 rows with x in boxes (a verify's) deepens its ring to at least this many stages,
-    # requesting up to WIDE_SMEM_BUDGET (the same blocks and grid: no bit changes); 0 keeps the plan's. NVFP4's
-    # gate_up keeps 2 stages of 34 KB that way, one in flight while the other is read: less than an SM's share of
-    # the bandwidth times the HBM latency (BENCHMARKS.md, session 35). Past 116 KiB no attention CTA fits beside
-    # the GEMM's, so it may start later under PDL. An A/B switch, off until measured.
-    stream_gemm_boxed_stages: int = 0
+    # A stream GEMM over an FP8 / NVFP4 weight deepens its ring to at least this many stages where the shared memory
+    # allows (the same blocks and grid: no bit changes): within what it requests anyway with x resident (decode
+    # rows), within WIDE_SMEM_BUDGET with x in boxes (a verify's); 0 keeps the plan's. A quantized stage is small
+    # (NVFP4's gate_up: 18 KB resident, 34 KB boxed), so 2 or 3 of them hold too little in flight. On an H100 at the
+    # 8B, 4 took the AR step 2.56 -> 2.47 ms (NVFP4) and 3.34 -> 3.29 (FP8), and the verify 3.10 -> 3.03 (NVFP4) and
+    # 3.92 -> 3.87 (FP8); a full ring slowed the GEMMs it took past 4 stages, 8 was slower on the 4B, and bf16, whose
+    # stages are twice as large, was even or slower, so bf16 keeps its plans (BENCHMARKS.md, sessions 35-36). The
+    # stages before the wait stay stream_gemm_prefill_stages.
+    stream_gemm_quantized_stages: int = 4
     # Every kernel's preferred shared-memory carveout (percent of the SM's unified L1 / shared memory; -1: the
     # driver's choice). An SM configured for a kernel of little shared memory cannot take a stream GEMM CTA until
     # it drains, so a GEMM launched early under PDL finds no room on the SMs of a small kernel in front of it.
@@ -133,9 +129,9 @@ class CudaTuning:
             raise ConfigError(f"tuning.quantized_launch_rows: 16, 32 or 64, got {self.quantized_launch_rows}")
         if self.stream_gemm_w8_warps not in (4, 8):
             raise ConfigError(f"tuning.stream_gemm_w8_warps: 4 or 8, got {self.stream_gemm_w8_warps}")
-        for name in ("stream_gemm_resident_stages", "stream_gemm_boxed_stages"):
-            if not 0 <= getattr(self, name) <= 16:
-                raise ConfigError(f"tuning.{name}: 0 to 16 (MAX_STAGES), got {getattr(self, name)}")
+        if not 0 <= self.stream_gemm_quantized_stages <= 16:
+            raise ConfigError(f"tuning.stream_gemm_quantized_stages: 0 to 16 (MAX_STAGES), got "
+                              f"{self.stream_gemm_quantized_stages}")
         if self.invariant_max_context > INVARIANT_CONTEXT_LIMIT:
             raise ConfigError(f"tuning.invariant_max_context: at most {INVARIANT_CONTEXT_LIMIT} keys, got "
                               f"{self.invariant_max_context}")
