@@ -21,10 +21,10 @@ included.
 
 A few rows of x (a decode step at batch 1: one row of 8-24 KiB) are copied into shared memory once, after the wait,
 instead of in boxes beside every weight stage (`resident_x_bytes`): the ring then holds weight alone, in as many
-stages as with boxes. A quantized weight's ring, with x resident or in boxes, keeps at least
+stages as with boxes. Only where x's bytes come from changes, not the MMAs or their order, so the bits are the same
+either way. A quantized weight's ring, with x resident or in boxes, keeps at least
 `tuning.stream_gemm_quantized_stages` (`floored_plan`: its stages are small, and two or three of them hold too
-little in flight). Only where x's bytes come from changes, not the
-MMAs or their order, so the bits are the same either way.
+little in flight); deeper rings keep the bits too.
 
 Two epilogues remove the RMSNorm launches between a layer's GEMMs (`Epilogue`): the GEMM in front of a norm
 (o_proj, down) adds the residual and writes `norm_w * r` with its partial sums of r^2, and the GEMM after it
