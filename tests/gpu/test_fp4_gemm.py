@@ -19,9 +19,8 @@ from cudflash.tiny import float32_to_bf16_bits  # noqa: E402
 
 from .test_ops import check, rnd  # noqa: E402
 from .test_quant_gemm import (  # noqa: E402
-    check_deeper_ring, check_epilogues, check_routes, check_row_slice, check_rows_alone, check_stream_gemm,
-    check_wide_swiglu, ref_gemm)
-from .test_stream_gemm import skip_without_tma  # noqa: E402
+    check_epilogues, check_routes, check_row_slice, check_rows_alone, check_stream_gemm, check_wide_swiglu, ref_gemm)
+from .test_stream_gemm import check_deeper_ring, skip_without_tma  # noqa: E402
 
 FINITE_E4M3 = np.array([c for c in range(256) if (c & 0x7F) != 0x7F], dtype=np.uint8)
 # (N, K): N off the 16-row tile (200, 1000), blocks of 1..4 tiles, several rounds of blocks per CTA (24576), the
