@@ -5,8 +5,11 @@
 // Codes: a 32-bit word holds the 8 codes of columns 8 i .. 8 i + 7 of a row, placed so that pair j (columns
 // 8 i + 2 j, + 1) is (rotl(w, MAG_ROT[j]) & 0x01C001C0) | (rotl(w, SIGN_ROT[j]) & 0x80008000): each half the bf16
 // whose sign is the code's and whose bits 8..6 are its exponent and mantissa, i.e. code * 2^-126 exactly (a bf16
-// subnormal for 0.5). Scales: byte b stands for the bf16 scale * 2^119, bits (b << 4) + 0x7400. Their bf16 product is
-// exact (at most 6 significant bits, in [2^-17, 21]): code * scale * 2^-7; the 2^7 rides with the global scale.
+// subnormal for 0.5). Every rotation but one acts as a left shift under its mask (no bit it wraps around is kept),
+// and a shift by a constant can issue on the FMA pipe (IMAD.SHL) while the masks take the ALU pipe: 7 ALU
+// instructions per 8 codes, the pipe the W4 loop is short of.
+// Scales: byte b stands for the bf16 scale * 2^119, bits (b << 4) + 0x7400. Their bf16 product is exact (at most 6
+// significant bits, in [2^-17, 21]): code * scale * 2^-7; the 2^7 rides with the global scale.
 #pragma once
 #include "common.cuh"
 
@@ -16,12 +19,13 @@
 
 __device__ __forceinline__ unsigned rotl32(unsigned w, int r) { return __funnelshift_l(w, w, r); }
 
-// The four bf16 pairs of one code word (columns (0, 1), (2, 3), (4, 5), (6, 7) of its eight), each code * 2^-126.
+// The four bf16 pairs of one code word (columns (0, 1), (2, 3), (4, 5), (6, 7) of its eight), each code * 2^-126:
+// MAG_ROT (0, 3, 6, 9), SIGN_ROT (4, 3, 6, 5) of w4_layout.py, the rotations that are shifts written as shifts.
 __device__ __forceinline__ void e2m1x8_to_bf16(unsigned w, unsigned (&p)[4]) {
-    p[0] = w & (W4_MAG | W4_SIGN);
-    p[1] = rotl32(w, 3) & (W4_MAG | W4_SIGN);
-    p[2] = (rotl32(w, 6) & W4_MAG) | (rotl32(w, 1) & W4_SIGN);
-    p[3] = (rotl32(w, 13) & W4_MAG) | (rotl32(w, 2) & W4_SIGN);
+    p[0] = (w & W4_MAG) | ((w << 4) & W4_SIGN);
+    p[1] = (w << 3) & (W4_MAG | W4_SIGN);
+    p[2] = (w << 6) & (W4_MAG | W4_SIGN);
+    p[3] = (rotl32(w, 9) & W4_MAG) | ((w << 5) & W4_SIGN);
 }
 
 // Scale byte `sel` picks of the word sw (sel = 0x4040 + 0x0101 * byte index: that byte in both halves, zeros above

@@ -36,7 +36,20 @@ def test_the_rotations_tile_a_word():
             assert seen & src == 0
             seen |= src
     assert seen == 0xFFFFFFFF
-    assert L.SIGN_BITS == 0xF000F000  # the signs sit in bits 12..15 and 28..31 of a word
+    assert L.SIGN_BITS == 0x1E001E00  # the signs sit in bits 9..12 and 25..28 of a word
+
+
+def test_the_rotations_the_kernel_shifts_are_shifts():
+    """nvfp4.cuh writes every rotation but MAG_ROT[3] as a left shift (an FMA-pipe IMAD.SHL): under its mask, no bit
+    the rotation wraps around may survive."""
+    words = np.random.default_rng(0).integers(0, 2 ** 32, size=4096, dtype=np.uint64).astype(np.uint32)
+    words = np.concatenate([words, np.uint32([0xFFFFFFFF, 0x80000001])])
+    shifted = [(L.MAG_MASK, r) for r in L.MAG_ROT[:3]] + [(L.SIGN_MASK, r) for r in L.SIGN_ROT]
+    for mask, r in shifted:
+        rotated = L._rotl(words, r, np) & np.uint32(mask)
+        assert np.array_equal(rotated, (words << np.uint32(r)) & np.uint32(mask)), (hex(mask), r)
+    mask, r = L.MAG_MASK, L.MAG_ROT[3]  # the one true rotation: a shift would lose bits
+    assert not np.array_equal(L._rotl(words, r, np) & np.uint32(mask), (words << np.uint32(r)) & np.uint32(mask))
 
 
 def test_every_code_under_every_scale_is_exact():
