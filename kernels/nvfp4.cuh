@@ -7,7 +7,7 @@
 // whose sign is the code's and whose bits 8..6 are its exponent and mantissa, i.e. code * 2^-126 exactly (a bf16
 // subnormal for 0.5). Every rotation but one acts as a left shift under its mask (no bit it wraps around is kept),
 // and a shift by a constant can issue on the FMA pipe (IMAD.SHL) while the masks take the ALU pipe: 7 ALU
-// instructions per 8 codes, the pipe the W4 loop is short of.
+// instructions per 8 codes, not 11 (the ALU pipe takes most of the W4 loop's instructions).
 // Scales: byte b stands for the bf16 scale * 2^119, bits (b << 4) + 0x7400. Their bf16 product is exact (at most 6
 // significant bits, in [2^-17, 21]): code * scale * 2^-7; the 2^7 rides with the global scale.
 #pragma once
