@@ -11,7 +11,9 @@ import sys
 # in the environment wins (to compare, run with OPENBLAS_NUM_THREADS=2).
 BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
                          "VECLIB_MAXIMUM_THREADS")
-_numpy_was_loaded = "numpy" in sys.modules  # by a pytest plugin: then only threadpoolctl can still pin it
+# numpy loaded before the variables were set (by a pytest plugin): then only threadpoolctl can still pin it. A second
+# import of this file (`from tests.conftest import ...` beside pytest's own `conftest`) finds them set, as it should.
+_numpy_was_loaded = "numpy" in sys.modules and any(_name not in os.environ for _name in BLAS_THREAD_VARIABLES)
 for _name in BLAS_THREAD_VARIABLES:
     os.environ.setdefault(_name, "1")
 
