@@ -9,7 +9,10 @@ its target.
   "dspark", head fields inside `dflash_config`). Both DSpark dialects parse to the same `DraftConfig`.
 - A smaller drafter vocabulary (`draft_vocab_size`, remapped through the checkpoint's `d2t` tensor).
 - Sliding-window layers: `layer_types` with `sliding_window`, or `use_swa` with `swa_window_size` (DSpark / MiMo
-  exports, nested or at the top level).
+  exports, nested or at the top level); without `layer_types`, Qwen3Config's own rule (`use_sliding_window`,
+  `max_window_layers`). Per layer, whether the block attends causally: z-lab's rule (a `sliding_attention` layer is
+  causal unless `is_causal` / `dflash_config.causal` says otherwise).
+- The nested block is `dflash_config`, or `dspark_config` (DSpark exports of SGLang / vLLM / TensorRT-LLM lineage).
 """
 from __future__ import annotations
 
@@ -61,6 +64,9 @@ class DraftConfig:
     vocab_size: int | None
     # Per drafter layer: 0 for full attention, else the sliding window (in tokens) over the context.
     layer_windows: list[int] = field(default_factory=list)
+    # Per drafter layer: the block's rows attend causally among themselves (row j sees block rows 0..j and the whole
+    # context); False: every block row sees every block row (the DFlash default).
+    layer_causal: list[bool] = field(default_factory=list)
     num_target_layers: int | None = None  # depth of the target it was trained for, when the config says
     shifted_rows: bool = False  # DSpark: every block row, the anchor's included, predicts the NEXT position
     conv_kernel_size: int = 0  # DFlash2 dynamic depthwise conv around each sublayer: taps (0 = none)
@@ -126,7 +132,39 @@ def _one_of(dcfg: dict, cfg: dict, key: str) -> Any:
 
 def _where(dcfg: dict, key: str) -> str:
     """The field's name as the config spells it."""
-    return f"dflash_config.{key}" if dcfg.get(key) is not None else key
+    if dcfg.get(key) is None:
+        return key
+    return f"{getattr(dcfg, 'blocks', {}).get(key, 'dflash_config')}.{key}"
+
+
+NESTED_BLOCKS = ("dflash_config", "dspark_config")
+
+
+class _Nested(dict):
+    """The nested drafter fields, from `dflash_config` and / or `dspark_config` (SGLang's and vLLM's DSpark readers
+    take the latter); `blocks` says which block each field came from, for messages."""
+
+    blocks: dict[str, str]
+
+
+def _nested_fields(cfg: dict, path: str) -> _Nested:
+    """`dflash_config` and `dspark_config` as one block; a field both give must agree (which would win is not
+    defined by any reader)."""
+    out = _Nested()
+    out.blocks = {}
+    for name in NESTED_BLOCKS:
+        block = cfg.get(name)
+        if block is None:
+            continue
+        if not isinstance(block, dict):
+            raise ConfigError(f"{path}: field '{name}' should be an object, got {shown(block)}")
+        for key, value in block.items():
+            if key in out and value is not None and out[key] is not None and out[key] != value:
+                raise ConfigError(f"{path}: {out.blocks[key]}.{key} {shown(out[key])} and {name}.{key} "
+                                  f"{shown(value)} disagree")
+            if value is not None or key not in out:
+                out[key], out.blocks[key] = value, name
+    return out
 
 
 def _nested_int(dcfg: dict, cfg: dict, key: str, path: str, default: Any = 0, minimum: int = 0,
@@ -218,32 +256,67 @@ def _draft_heads(cfg: dict, dcfg: dict, path: str, kind: str, hidden: int) -> di
                    confidence_with_markov=with_markov)
     elif markov:
         raise ConfigError(f"{path}: markov_rank (a DSpark field) on a {kind} drafter")
-    causal = (_bool(cfg, "is_causal", path, False) if cfg.get("is_causal") is not None
-              else _bool(dcfg, "causal", path, False, label="dflash_config.causal"))
-    if causal:
-        raise ConfigError(f"{path}: causal drafter attention (is_causal: true) is not supported; the block is "
-                          "attended bidirectionally")
+    _check_logit_fields(cfg, dcfg, path)
     return out
 
 
-def _layer_windows(cfg: dict, dcfg: dict, path: str, num_layers: int) -> list[int]:
-    """Per drafter layer, 0 (full attention) or its sliding window over the context, in tokens: a query at
-    position p sees keys j with p - window < j (HF's flash path runs a window W as W - 1 keys either side).
+# Fields of z-lab's reference (dflash/model.py: `input_embedding_scale` scales the block's embedding,
+# `output_multiplier` and `final_logit_softcapping` reshape the drafter's logits) that cudflash does not apply: a
+# value other than the neutral one would change the drafts, so it is refused rather than ignored.
+NEUTRAL_FIELDS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
 
-    Two dialects: `layer_types` with the model's `sliding_window`; or (DSpark / MiMo exports) `use_swa` with
-    `swa_window_size`, which covers the layers `layer_types` marks sliding, or every layer where there is no
-    `layer_types` (as TensorRT-LLM's DSpark loader reads it). A drafter trained with its window loses most of its
-    acceptance without it (docs/drafters.md, section 5), so a window that is asked for and cannot be resolved is an
-    error."""
+
+def _check_logit_fields(cfg: dict, dcfg: dict, path: str) -> None:
+    for key, neutral in NEUTRAL_FIELDS.items():
+        value = _one_of(dcfg, cfg, key)
+        if value is None or value == neutral or (key == "final_logit_softcapping" and value == 0):
+            continue
+        raise ConfigError(f"{path}: {_where(dcfg, key)} {shown(value)} is not supported (cudflash drafts with the "
+                          f"reference's neutral value, {neutral})")
+
+
+def _layer_types(cfg: dict, path: str, num_layers: int, swa: int | None) -> tuple[list[str], bool]:
+    """The drafter's layer types, and whether the config spelled them out. Without `layer_types`: every layer
+    sliding under `use_swa`; else Qwen3Config's own rule (the drafters are `model_type: qwen3`, and z-lab's reference
+    reads the layer types that rule fills in): with `use_sliding_window` true, layers from `max_window_layers`
+    (default 28) on are sliding."""
+    types = cfg.get("layer_types") or None  # [] as absent, as before
+    if types is not None:
+        if not isinstance(types, list) or len(types) != num_layers:
+            n = len(types) if isinstance(types, list) else shown(types)
+            raise ConfigError(f"{path}: 'layer_types' has {n} entries, expected {num_layers} (num_hidden_layers)")
+        return list(types), True
+    if swa is not None:
+        return ["sliding_attention"] * num_layers, False
+    if _bool(cfg, "use_sliding_window", path, False) and cfg.get("sliding_window") is not None:
+        first = _int(cfg, "max_window_layers", path, default=28, minimum=0, maximum=MAX_LAYERS)
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)], False
+    return ["full_attention"] * num_layers, False
+
+
+def _layer_windows(cfg: dict, dcfg: dict, path: str, num_layers: int, kind: str) -> tuple[list[int], list[bool]]:
+    """Per drafter layer, 0 (full attention) or its sliding window over the context, in tokens (a query at
+    position p sees keys j with p - window < j; HF's flash path runs a window W as W - 1 keys either side), and
+    whether its block rows attend causally.
+
+    Windows come in two dialects: `layer_types` with the model's `sliding_window`; or (DSpark / MiMo exports)
+    `use_swa` with `swa_window_size`, which covers the layers `layer_types` marks sliding, or every layer where
+    there is no `layer_types` (as TensorRT-LLM's DSpark loader reads it). `use_sliding_window: false` beside
+    sliding layers drops their window, as Qwen3Config does (`sliding_window = None` unless use_sliding_window) and
+    so z-lab's reference and vLLM; absent, the window applies (every released sliding drafter sets it true). A
+    drafter trained with its window loses most of its acceptance without it (docs/drafters.md, section 5), so a
+    window that is asked for and cannot be resolved is an error.
+
+    Causality: `is_causal` (top level), else `dflash_config.causal`, for every layer; else, for the z-lab families
+    (DFlash, DFlash2), z-lab's rule `is_causal = layer_type == "sliding_attention"` (dflash/model.py; vLLM's
+    DFlash reads it the same way); DSpark layers stay bidirectional unless the config says otherwise."""
     swa = None
     if _nested_bool(dcfg, cfg, ("use_swa",), path, default=False):
         swa = _nested_int(dcfg, cfg, "swa_window_size", path, default=None, minimum=1, maximum=MAX_POSITIONS)
         if swa is None:
             raise ConfigError(f"{path}: 'use_swa' is set but 'swa_window_size' is missing")
-    layer_types = cfg.get("layer_types") or ["sliding_attention" if swa else "full_attention"] * num_layers
-    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
-        n = len(layer_types) if isinstance(layer_types, list) else shown(layer_types)
-        raise ConfigError(f"{path}: 'layer_types' has {n} entries, expected {num_layers} (num_hidden_layers)")
+    layer_types, spelled = _layer_types(cfg, path, num_layers, swa)
+    window_off = swa is None and cfg.get("use_sliding_window") is False
     windows = []
     for t in layer_types:
         if t == "full_attention":
@@ -252,6 +325,8 @@ def _layer_windows(cfg: dict, dcfg: dict, path: str, num_layers: int) -> list[in
             raise ConfigError(
                 f"{path}: unknown layer type {shown(t)} in 'layer_types' (expected full_attention or sliding_attention)"
             )
+        elif window_off:
+            windows.append(0)
         elif swa is None:
             windows.append(_int(cfg, "sliding_window", path, maximum=MAX_POSITIONS))
         else:
@@ -259,7 +334,15 @@ def _layer_windows(cfg: dict, dcfg: dict, path: str, num_layers: int) -> list[in
             if model_window is not None and model_window != swa:
                 raise ConfigError(f"{path}: 'swa_window_size' {swa} disagrees with 'sliding_window' {model_window}")
             windows.append(swa)
-    return windows
+    if cfg.get("is_causal") is not None:
+        causal = [_bool(cfg, "is_causal", path, False)] * num_layers
+    elif dcfg.get("causal") is not None:
+        causal = [_bool(dcfg, "causal", path, False, label=_where(dcfg, "causal"))] * num_layers
+    elif kind in ("dflash", "dflash2") and (spelled or swa is None):
+        causal = [t == "sliding_attention" for t in layer_types]
+    else:
+        causal = [False] * num_layers
+    return windows, causal
 
 
 def _target_layer_ids(cfg: dict, dcfg: dict, path: str, num_target_layers: int | None,
@@ -288,9 +371,7 @@ def load_draft_config(model_dir: str | Path) -> DraftConfig:
     model_dir = Path(model_dir)
     cfg = read_config_json(model_dir)
     path = str(model_dir / "config.json")
-    dcfg = cfg.get("dflash_config") or {}
-    if not isinstance(dcfg, dict):
-        raise ConfigError(f"{path}: field 'dflash_config' should be an object, got {shown(dcfg)}")
+    dcfg = _nested_fields(cfg, path)
     kind = _draft_kind(cfg, dcfg, path)
     dims = transformer_dims(cfg, path)
     _check_mlp(cfg, path)
@@ -311,6 +392,7 @@ def load_draft_config(model_dir: str | Path) -> DraftConfig:
     draft_vocab = _nested_int(dcfg, cfg, "draft_vocab_size", path, default=None, minimum=1,
                               maximum=vocab or MAX_VOCAB)
 
+    windows, causal = _layer_windows(cfg, dcfg, path, dims["num_layers"], kind)
     dc = DraftConfig(
         path=str(model_dir),
         kind=kind,
@@ -321,7 +403,8 @@ def load_draft_config(model_dir: str | Path) -> DraftConfig:
         target_layer_ids=layer_ids,
         mask_token_id=mask,
         vocab_size=vocab,
-        layer_windows=_layer_windows(cfg, dcfg, path, dims["num_layers"]),
+        layer_windows=windows,
+        layer_causal=causal,
         num_target_layers=num_target_layers,
         draft_vocab_size=None if draft_vocab == vocab else draft_vocab,  # the full vocabulary: nothing to remap
         **_draft_heads(cfg, dcfg, path, kind, dims["hidden_size"]),

@@ -37,6 +37,9 @@ REFUSED_FAMILIES = {
     "qwen3_next": "Qwen3-Next (mixture-of-experts hybrid, fused in_proj_qkvz / in_proj_ba)",
 }
 LINEAR, FULL = "linear_attention", "full_attention"
+# Older layer-type names transformers still maps onto the current ones (configuration_utils'
+# remap_legacy_layer_types, applied by Qwen3_5TextConfig to `layer_types`).
+LEGACY_LAYER_TYPES = {"mamba": LINEAR, "attention": FULL}
 MAX_LINEAR_HEADS = 1024
 MAX_LINEAR_HEAD_DIM = 1024
 MAX_CONV_KERNEL = 16
@@ -105,6 +108,8 @@ def _layer_types(text: dict, where: str, path: str, num_layers: int, int_field) 
     if types is None:
         interval = int_field(text, "full_attention_interval", path, default=4, label=where + "full_attention_interval")
         return [LINEAR if (i + 1) % interval else FULL for i in range(num_layers)]
+    if isinstance(types, list):
+        types = [LEGACY_LAYER_TYPES.get(t, t) if isinstance(t, str) else t for t in types]
     if not isinstance(types, list) or not all(t in (LINEAR, FULL) for t in types):
         raise ConfigError(f"{path}: field '{where}layer_types' should list 'linear_attention' / 'full_attention', got "
                           f"{shown(types)}")

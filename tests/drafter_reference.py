@@ -88,7 +88,7 @@ def conv(x: np.ndarray, coeff: np.ndarray, base: np.ndarray, group: int) -> np.n
 
 
 def draft_hidden(cfg: dict, w: dict, taps: np.ndarray, block_ids: list[int], target_w: dict,
-                 windows: list[int]) -> np.ndarray:
+                 windows: list[int], causal: list[bool] | None = None) -> np.ndarray:
     """The drafter's final-normed hidden states of the block [B, H]; context = taps of positions 0..L-1."""
     dc = cfg.get("dflash_config") or {}
     D = cfg["head_dim"]
@@ -111,6 +111,8 @@ def draft_hidden(cfg: dict, w: dict, taps: np.ndarray, block_ids: list[int], tar
         k = rope(rms((kv_in @ w[a + "k_proj.weight"].T).reshape(L + B, -1, D), w[a + "k_norm.weight"]), all_pos, theta)
         v = (kv_in @ w[a + "v_proj.weight"].T).reshape(L + B, -1, D)
         visible = np.ones((B, L + B), dtype=bool)  # non-causal
+        if causal and causal[i]:  # block row j sees the context and block rows 0..j
+            visible &= all_pos[None, :] <= blk_pos[:, None]
         if windows[i]:
             visible &= all_pos[None, :] > blk_pos[:, None] - windows[i]
         o = attend(q, k, v, visible) @ w[a + "o_proj.weight"].T
@@ -133,6 +135,18 @@ def softmax(x: np.ndarray, t: float = 1.0) -> np.ndarray:
     return e / e.sum()
 
 
+def layer_causal(cfg: dict, dc: dict, types: list[str]) -> list[bool]:
+    """z-lab dflash/model.py, Qwen3DFlashAttention: `is_causal = layer_type == "sliding_attention"` unless the config
+    sets `is_causal` (vLLM also reads `dflash_config.causal`); DSpark checkpoints are not z-lab's modeling code and
+    stay bidirectional unless told."""
+    if cfg.get("is_causal") is not None:
+        return [bool(cfg["is_causal"])] * len(types)
+    if dc.get("causal") is not None:
+        return [bool(dc["causal"])] * len(types)
+    zlab = set(cfg["architectures"]) & {"DFlashDraftModel", "DFlash2DraftModel"} and "markov_rank" not in dc
+    return [bool(zlab) and t == "sliding_attention" for t in types]
+
+
 class Reference:
     """Drafts of one step, for one sequence whose committed tokens are `tokens[:-1]` and anchor `tokens[-1]`."""
 
@@ -150,13 +164,15 @@ class Reference:
         self.with_markov = field("confidence_head_with_markov", False)
         types, sw = self.cfg["layer_types"], self.cfg.get("sliding_window")
         self.windows = windows or [sw if t == "sliding_attention" else 0 for t in types]
+        self.causal = layer_causal(self.cfg, dc, types)
         self.head = self.w.get("lm_head.weight", self.tw.get("lm_head.weight", self.tw["model.embed_tokens.weight"]))
         d2t = self.w.get("d2t")
         self.to_target = (lambda i: i) if d2t is None else (lambda i: int(i + d2t[i]))  # noqa: E731
 
     def hidden(self, tokens: list[int], block: int) -> np.ndarray:
         taps, _ = target_taps(self.tcfg, self.tw, tokens[:-1], self.layer_ids)
-        return draft_hidden(self.cfg, self.w, taps, [tokens[-1]] + [self.mask] * (block - 1), self.tw, self.windows)
+        return draft_hidden(self.cfg, self.w, taps, [tokens[-1]] + [self.mask] * (block - 1), self.tw, self.windows,
+                            self.causal)
 
     def draft_rows(self, tokens: list[int], block: int) -> tuple[np.ndarray, np.ndarray]:
         """(hidden [S, H], drafter logits [S, Vd]) of the rows that predict positions L+1 .. L+block-1."""

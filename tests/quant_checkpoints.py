@@ -149,6 +149,25 @@ def modelopt_nvfp4(tensors: dict[str, np.ndarray]):
     return out, hf, {"quant_method": "modelopt", **quant}
 
 
+def modelopt_fp8(tensors: dict[str, np.ndarray]):
+    """(tensors, hf_quant_config.json, config.json quantization_config) of a ModelOpt FP8 export (nvidia's -FP8
+    releases, e.g. Llama-3.1-8B-Instruct-FP8): one float32 scalar weight_scale (amax / 448) and input_scale per
+    module, FP8 KV-cache scales on k_proj / v_proj (the engine keeps a bf16 cache and reads none of these)."""
+    out = {}
+    for name, w in _to_quantize(tensors, out):
+        amax = np.float32(np.abs(w).max())
+        scale = np.float32(amax / np.float32(448)) if amax > 0 else np.float32(1)
+        module = name[: -len("weight")]
+        out[name] = ("F8_E4M3", encode_e4m3(w / scale))
+        out[module + "weight_scale"] = ("F32", np.array(scale, dtype=np.float32))
+        out[module + "input_scale"] = ("F32", np.array(0.03, dtype=np.float32))
+        if name.endswith(("k_proj.weight", "v_proj.weight")):
+            out[module + name.split(".")[-2][0] + "_scale"] = ("F32", np.array(1.0, dtype=np.float32))
+    quant = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}
+    hf = {"producer": {"name": "modelopt", "version": "0.19.0"}, "quantization": quant}
+    return out, hf, {"quant_method": "modelopt", **quant}
+
+
 def compressed_nvfp4(tensors: dict[str, np.ndarray], w4a4: bool = False):
     """(tensors, quantization_config) of an llm-compressor NVFP4 checkpoint (NVFP4A16, or NVFP4 with activation
     global scales): the ModelOpt recipe's codes and block scales, its global scale stored as the divisor

@@ -367,10 +367,22 @@ def test_layer_types_and_sliding_window(tmp_path):
     cfg["layer_types"] = ["sliding_attention", "full_attention", "sliding_attention", "full_attention",
                           "full_attention"]
     cfg["sliding_window"] = 2048
-    assert load_draft_config(write_cfg(tmp_path / "a", cfg)).layer_windows == [2048, 0, 2048, 0, 0]
+    cfg["use_sliding_window"] = True
+    d = load_draft_config(write_cfg(tmp_path / "a", cfg))
+    assert d.layer_windows == [2048, 0, 2048, 0, 0]
+    # z-lab's rule (dflash/model.py): a sliding_attention layer without is_causal attends causally in the block.
+    assert d.layer_causal == [True, False, True, False, False]
+    cfg["use_sliding_window"] = False  # Qwen3Config drops the window (sliding_window = None); the layers stay causal
+    d = load_draft_config(write_cfg(tmp_path / "a2", cfg))
+    assert (d.layer_windows, d.layer_causal) == ([0] * 5, [True, False, True, False, False])
+    del cfg["use_sliding_window"]  # absent: the window applies (every released sliding drafter sets it true)
+    assert load_draft_config(write_cfg(tmp_path / "a3", cfg)).layer_windows == [2048, 0, 2048, 0, 0]
+    cfg["use_sliding_window"] = False
     del cfg["layer_types"]  # absent: all full attention, sliding_window unused
-    assert load_draft_config(write_cfg(tmp_path / "b", cfg)).layer_windows == [0] * 5
+    d = load_draft_config(write_cfg(tmp_path / "b", cfg))
+    assert (d.layer_windows, d.layer_causal) == ([0] * 5, [False] * 5)
     cfg["layer_types"] = ["sliding_attention"] * 5
+    cfg["use_sliding_window"] = True
     cfg["sliding_window"] = None
     draft_error(tmp_path, cfg, "sliding_window")
     cfg["layer_types"] = ["full_attention"] * 4
@@ -595,7 +607,7 @@ def test_draft_vocab_size(tmp_path):
     (lambda c: c.update(markov_rank=0), ["confidence_head_with_markov", "markov_rank"]),
     (lambda c: c.update(shift_label=False), ["shift_label"]),
     (lambda c: c.update(conv_kernel_size=2, conv_group_size=16), ["conv_kernel_size", "dspark"]),
-    (lambda c: c.update(is_causal=True), ["is_causal"]),
+    (lambda c: c.update(is_causal="yes"), ["is_causal", "true or false"]),
     (lambda c: c.update(enable_confidence_head="yes"), ["enable_confidence_head", "true or false"]),
     (lambda c: c.update(markov_rank=-1), ["markov_rank", ">= 0"]),
 ])
@@ -706,3 +718,83 @@ def test_config_json_linked_from_outside_is_refused(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_target_config(tmp_path / "m")
     expect_error(e, tmp_path / "m" / "config.json", "symbolic link")
+
+
+# ------------------------------------------------------- released drafter conventions (z-lab reference, DSpark)
+
+def zlab_qwen36_27b_dflash() -> dict:
+    """z-lab/Qwen3.6-27B-DFlash as public engines' fixtures copy it (SGLang / mio tests: 4 sliding + 1 full layer,
+    sliding_window 2048, block_size 16 at the top level, no is_causal); use_sliding_window as the z-lab sliding
+    releases set it (z-lab/Qwen3.8-27B-DFlash2, z-lab/Qwen3.5-122B-A10B-DFlash)."""
+    return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 5120, "intermediate_size": 17408,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 5, "head_dim": 128,
+            "vocab_size": 248320, "num_target_layers": 64, "block_size": 16, "rope_theta": 10000000,
+            "max_position_embeddings": 262144, "sliding_window": 2048, "use_sliding_window": True,
+            "layer_types": ["sliding_attention"] * 4 + ["full_attention"],
+            "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]}}
+
+
+def test_zlab_sliding_layers_are_causal_unless_the_config_says(tmp_path):
+    d = load_draft_config(write_cfg(tmp_path / "a", zlab_qwen36_27b_dflash()))
+    assert d.layer_windows == [2048] * 4 + [0]
+    assert d.layer_causal == [True] * 4 + [False]  # dflash/model.py: is_causal = layer_type == "sliding_attention"
+    cfg = zlab_qwen36_27b_dflash()
+    cfg["is_causal"] = False  # as z-lab/Qwen3.8-27B-DFlash2 writes it
+    assert load_draft_config(write_cfg(tmp_path / "b", cfg)).layer_causal == [False] * 5
+    cfg["is_causal"] = True
+    assert load_draft_config(write_cfg(tmp_path / "c", cfg)).layer_causal == [True] * 5
+    cfg = zlab_qwen36_27b_dflash()
+    cfg["dflash_config"]["causal"] = False  # vLLM's override
+    assert load_draft_config(write_cfg(tmp_path / "d", cfg)).layer_causal == [False] * 5
+    assert load_draft_config(write_cfg(tmp_path / "e", zlab_dflash2_27b())).layer_causal == [False] * 5
+    cfg = nested_dspark_4b()  # DSpark: not z-lab's modeling, bidirectional unless told
+    del cfg["dflash_config"]["causal"]
+    cfg.update(layer_types=["sliding_attention"] * 5, sliding_window=64, use_sliding_window=True)
+    assert load_draft_config(write_cfg(tmp_path / "f", cfg)).layer_causal == [False] * 5
+
+
+def test_qwen3_config_rule_for_windows_without_layer_types(tmp_path):
+    """No layer_types: Qwen3Config fills them in (layers from max_window_layers on are sliding when
+    use_sliding_window is true), and z-lab's reference reads those (z-lab/Qwen3.5-122B-A10B-DFlash's config as a
+    public fixture copies it: use_sliding_window true, sliding_window 4096, 6 layers)."""
+    cfg = zlab_qwen36_27b_dflash()
+    del cfg["layer_types"]
+    cfg.update(num_hidden_layers=6, sliding_window=4096, max_window_layers=2)
+    d = load_draft_config(write_cfg(tmp_path / "a", cfg))
+    assert d.layer_windows == [0, 0] + [4096] * 4 and d.layer_causal == [False, False] + [True] * 4
+    del cfg["max_window_layers"]  # Qwen3Config's default 28: no layer of a 6-layer drafter is sliding
+    d = load_draft_config(write_cfg(tmp_path / "b", cfg))
+    assert d.layer_windows == [0] * 6 and d.layer_causal == [False] * 6
+    cfg.update(max_window_layers=0, use_sliding_window=False)  # the window is off: no sliding layer at all
+    assert load_draft_config(write_cfg(tmp_path / "c", cfg)).layer_windows == [0] * 6
+
+
+def test_dspark_config_block_is_read_like_dflash_config(tmp_path):
+    """SGLang's, vLLM's and TensorRT-LLM's DSpark readers take the nested fields from `dspark_config`."""
+    cfg = nested_dspark_4b()
+    fields = cfg.pop("dflash_config")
+    cfg["dspark_config"] = fields
+    d = load_draft_config(write_cfg(tmp_path / "a", cfg))
+    assert (d.kind, d.markov_rank, d.confidence_head, d.mask_token_id) == ("dspark", 256, True, 151669)
+    assert d.target_layer_ids == [1, 9, 17, 25, 33]
+    cfg["dflash_config"] = {"mask_token_id": 151669}  # both blocks: agreeing fields are fine
+    assert load_draft_config(write_cfg(tmp_path / "b", cfg)).markov_rank == 256
+    cfg["dflash_config"] = {"markov_rank": 64}
+    draft_error(tmp_path, cfg, "dflash_config.markov_rank", "dspark_config.markov_rank", "disagree")
+    cfg["dflash_config"] = {}
+    cfg["dspark_config"]["markov_head_type"] = "gated"
+    draft_error(tmp_path, cfg, "gated")
+    cfg["dspark_config"] = [1]
+    draft_error(tmp_path, cfg, "dspark_config", "object")
+
+
+@pytest.mark.parametrize("key,value", [("input_embedding_scale", 2.0), ("output_multiplier", 0.5),
+                                       ("final_logit_softcapping", 30.0)])
+def test_reference_logit_fields_other_than_neutral_are_refused(tmp_path, key, value):
+    """z-lab's reference scales the block embedding / the logits by these; cudflash does not, so it refuses them."""
+    cfg = zlab_qwen36_27b_dflash()
+    neutral = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}[key]
+    cfg[key] = neutral
+    load_draft_config(write_cfg(tmp_path / "ok", cfg))
+    cfg["dflash_config"][key] = value
+    draft_error(tmp_path, cfg, f"dflash_config.{key}", "not supported")

@@ -29,6 +29,8 @@ from tests.sampling_stats import chi_square_pvalue, wrong_rejection_sample
 
 SLIDING = ["sliding_attention", "full_attention"]
 KINDS = {
+    # z-lab's sliding layers without is_causal: causal within the block (the reference rule, draft_config.py)
+    "dflash-sliding-causal": TinyHeads(layer_types=SLIDING, sliding_window=5),
     "dflash2": TinyHeads(kind="dflash2", layer_types=SLIDING, sliding_window=5),
     "dflash2-projector-k3": TinyHeads(kind="dflash2", dialect="projector", conv_kernel_size=3, conv_group_size=8),
     "dflash2-small-vocab": TinyHeads(kind="dflash2", draft_vocab_size=100),
@@ -144,6 +146,36 @@ def test_sliding_window_comes_from_the_checkpoint_and_can_be_overridden(pair):
             assert list(drafts) == ref.drafts(tokens, 6)
             differs |= not np.allclose(ref.hidden(tokens, 6), ref_default.hidden(tokens, 6))
     assert differs  # the window really changes what the drafter computes
+
+
+def test_zlab_sliding_layers_attend_causally_in_the_block(pair):
+    """A DFlash sliding_attention layer without is_causal is causal in the block (z-lab dflash/model.py): the engine's
+    drafter hidden states are the causal reference's, which a bidirectional block's are not."""
+    paths, shape = pair
+    if not (shape.heads.kind == "dflash" and shape.heads.layer_types):
+        return
+    llm = _llm(paths, block=6)
+    assert llm.draft_cfg.layer_causal == [True, False]
+    inner, seen = llm.proposer, []
+
+    class Recording:
+        drafts_on_device, first_row = False, inner.first_row
+
+        def device_part(self, runner, batch, rows):
+            return inner.device_part(runner, batch, rows)
+
+        def host_part(self, runner, out, seqs, block):
+            h = runner.backend.to_numpy(out.h).astype(np.float32).reshape(-1, block - 1, shape.hidden_size)
+            seen.extend(zip([list(s.token_ids) for s in seqs], h))
+            return inner.host_part(runner, out, seqs, block)
+    llm.proposer = Recording()
+    llm.generate(PROMPTS, _greedy(12))
+    ref, bidirectional = Reference(*paths), Reference(*paths)
+    bidirectional.causal = [False, False]
+    assert len(seen) >= 10
+    for tokens, h in seen:
+        np.testing.assert_allclose(h, ref.draft_rows(tokens, 6)[0], rtol=1e-4, atol=1e-4)
+        assert not np.allclose(h, bidirectional.draft_rows(tokens, 6)[0], rtol=1e-4, atol=1e-4)
 
 
 # ------------------------------------------------------------------------------------------- losslessness

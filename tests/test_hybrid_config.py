@@ -48,6 +48,14 @@ def test_both_classes_read_every_field(tmp_path, cls, tied):
     assert h.attn_output_gate and h.norm_offset == 1.0
 
 
+def test_legacy_layer_type_names_are_read_as_transformers_remaps_them(tmp_path):
+    """transformers' remap_legacy_layer_types (applied by Qwen3_5TextConfig): mamba -> linear_attention, attention ->
+    full_attention."""
+    cfg = hybrid_config_json(HybridShape(layer_types=["mamba", "mamba", "mamba", "attention"]))
+    c = load_target_config(write(tmp_path, cfg))
+    assert c.hybrid.layer_types == ["linear_attention"] * 3 + ["full_attention"] and c.hybrid.full_layers == [3]
+
+
 def test_layer_types_given_explicitly_win(tmp_path):
     types = ["full_attention", "linear_attention", "linear_attention", "linear_attention"]
     c = load_target_config(write(tmp_path, hybrid_config_json(HybridShape(layer_types=types))))
@@ -84,7 +92,7 @@ def test_families_not_supported_yet_are_refused_by_name(tmp_path, name, field):
     (lambda t: t.update(linear_num_value_heads=5), ("linear_num_value_heads 5", "linear_num_key_heads 2")),
     (lambda t: t.update(attn_output_gate=False), ("attn_output_gate",)),
     (lambda t: t.update(layer_types=["linear_attention"] * 3), ("layer_types", "3 entries", "expected 4")),
-    (lambda t: t.update(layer_types=["mamba"] * 4), ("layer_types", "mamba")),
+    (lambda t: t.update(layer_types=["sliding_attention"] * 4), ("layer_types", "sliding_attention")),
     (lambda t: t["rope_parameters"].update(mrope_section=[4, 4, 4]), ("mrope_section", "sums to 12", "4")),
     (lambda t: t["rope_parameters"].update(partial_rotary_factor=0.01), ("partial_rotary_factor", "rotary")),
     (lambda t: t.update(hidden_act="gelu"), ("hidden_act", "gelu")),

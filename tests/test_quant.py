@@ -25,7 +25,8 @@ from cudflash.quant.numerics import (E4M3_TABLE, decode_e2m1, encode_e2m1, encod
 from cudflash.quant.weight import dequantize_reference
 from cudflash.sampling_params import SamplingParams
 from cudflash.tiny import TinyShape, draft_config, draft_tensors, target_config, target_tensors, write_model
-from tests.quant_checkpoints import compressed_fp8, compressed_nvfp4, modelopt_nvfp4, qwen_fp8, write_tagged_model
+from tests.quant_checkpoints import (compressed_fp8, compressed_nvfp4, modelopt_fp8, modelopt_nvfp4, qwen_fp8,
+                                     write_tagged_model)
 
 
 def e4m3_value(code: int) -> float:
@@ -202,7 +203,7 @@ def _write(tmp_path: Path, name: str, fmt: str, shape: TinyShape, shards: int = 
     elif fmt == "compressed_nvfp4":
         out, config["quantization_config"] = compressed_nvfp4(tensors, **kw)
     else:
-        out, hf, qc = modelopt_nvfp4(tensors)
+        out, hf, qc = (modelopt_fp8 if fmt == "modelopt_fp8" else modelopt_nvfp4)(tensors)
         extra = {"hf_quant_config.json": hf}
         if kw.get("in_config"):
             config["quantization_config"] = qc
@@ -255,6 +256,7 @@ ODD = TinyShape(hidden_size=80, num_heads=5, num_kv_heads=1, head_dim=16, interm
                                     ("compressed_fp8", {}), ("compressed_fp8", {"strategy": "tensor"}),
                                     ("compressed_fp8", {"static_input": True, "scale_dtype": "F32"}),
                                     ("modelopt_nvfp4", {}), ("modelopt_nvfp4", {"in_config": True}),
+                                    ("modelopt_fp8", {}), ("modelopt_fp8", {"in_config": True}),
                                     ("compressed_nvfp4", {}), ("compressed_nvfp4", {"w4a4": True})])
 @pytest.mark.parametrize("shards", [1, 3])
 def test_released_layouts_load_exactly(tmp_path, fmt, kw, shards):
@@ -297,7 +299,8 @@ def test_released_fp8_dims_off_the_block_grid_use_a_row_map(tmp_path):
     _check_loaded(d, out)
 
 
-@pytest.mark.parametrize("fmt", ["qwen_fp8", "compressed_fp8", "modelopt_nvfp4", "compressed_nvfp4", "at_load"])
+@pytest.mark.parametrize("fmt", ["qwen_fp8", "compressed_fp8", "modelopt_nvfp4", "modelopt_fp8", "compressed_nvfp4",
+                                 "at_load"])
 def test_quantized_target_speculative_greedy_equals_autoregressive(tmp_path, fmt):
     shape = TinyShape(num_layers=3, target_layer_ids=[0, 2])
     tensors, config = _target(tmp_path, shape, seed=7)
@@ -475,7 +478,7 @@ CT_GROUP = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type"
      "strategy' is 'group'"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": CT_GROUP,
       "sparsity_config": {"format": "sparse-24"}}, "sparsity_config' is set"),
-    ({"quant_method": "modelopt", "quant_algo": "FP8"}, "quant_algo' is 'FP8': not supported"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8_PB_WO"}, "quant_algo' is 'FP8_PB_WO': not supported"),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4_AWQ"}, "'NVFP4_AWQ'"),
     ({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"}, "'MIXED_PRECISION'"),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32}, "group_size' is 32"),

@@ -3,8 +3,9 @@
 Two entry points, both writing into the drafter's own paged KV cache (same block tables as the target):
 - `update_context`: target taps of newly committed tokens -> fc -> hidden_norm -> one GEMM with every layer's
   K and V weights stacked -> k_norm + RoPE at their own positions -> stored. Only context K/V ever persist.
-- `forward`: the block [anchor, MASK x (B-1)], embedded with the target's table; every layer attends
-  non-causally over (its context K/V ++ the block's own K/V). The block's K/V are written at the block's
+- `forward`: the block [anchor, MASK x (B-1)], embedded with the target's table; every layer attends over (its
+  context K/V ++ the block's own K/V), non-causally unless the config makes the layer causal (`layer_causal`:
+  z-lab's sliding layers, whose block row j then sees block rows 0..j). The block's K/V are written at the block's
   positions (lookahead slots) and are overwritten by context K/V once those positions are committed.
 Row j of the output predicts the token at position anchor + j (row 0 echoes the anchor); in a DSpark checkpoint
 (`cfg.shifted_rows`) row j predicts anchor + j + 1.
@@ -52,6 +53,8 @@ class DraftLayer:
 class DFlashDraftModel:
     def __init__(self, cfg: DraftConfig, loader: WeightLoader | RandomWeights, backend: Backend, num_taps: int):
         self.cfg, self.b = cfg, backend
+        # Per layer, whether the block's rows attend causally among themselves (draft_config._layer_windows).
+        self.causal = list(cfg.layer_causal) or [False] * cfg.num_layers
         H, D, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         q_dim, kv_dim = cfg.num_heads * D, cfg.num_kv_heads * D
         layout = DraftCheckpoint(cfg, loader, backend)
@@ -160,7 +163,7 @@ class DFlashDraftModel:
             q = b.head_norm_rope(q, cfg.head_dim, batch.positions, self.rope_cos, self.rope_sin, layer.q_norm,
                                  cfg.rms_norm_eps)
             self._store(i, b.linear(hidden, *self._layer_kv(i), out_f32=True), batch.positions, batch.slots, kv)
-            attn = b.attention(q, kv.k[i], kv.v[i], batch.meta, self.scale, causal=False,
+            attn = b.attention(q, kv.k[i], kv.v[i], batch.meta, self.scale, causal=self.causal[i],
                                window=cfg.layer_windows[i])
             hidden = b.linear(attn, layer.o_proj, layer.o_bias, out_f32=True)  # feeds the float32 residual
             if layer.attn_conv is not None:

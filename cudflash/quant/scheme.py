@@ -8,7 +8,8 @@ Read (docs/quantization.md has the sources):
   quantize weights to 8-bit floats (`strategy` channel, tensor or block); `ignore`. Or `format:
   nvfp4-pack-quantized` (llm-compressor's NVFP4 / NVFP4A16), whose groups all quantize weights to 4-bit floats with
   `strategy: tensor_group`, `group_size: 16` (activations none, or the W4A4 scheme's 4-bit floats: recorded).
-- ModelOpt: `quant_algo: NVFP4`, `group_size: 16`, `exclude_modules` (or `ignore`), in hf_quant_config.json's
+- ModelOpt: `quant_algo: NVFP4`, `group_size: 16`, or `quant_algo: FP8` (per-tensor E4M3 weights with a static
+  per-tensor input scale: nvidia's -FP8 exports); `exclude_modules` (or `ignore`), in hf_quant_config.json's
   `quantization` or in config.json's `quantization_config` with `quant_method: modelopt`.
 The excluded-module lists are recorded, not used to pick tensors: a tensor is read as quantized when the checkpoint
 stores it so (its dtype and its scale tensor), and as it is otherwise. Activation scales (static `input_scale`) and
@@ -27,7 +28,8 @@ from cudflash.model_files import shown
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 SUPPORTED = ("fp8 with weight_block_size (the Qwen -FP8 releases), compressed-tensors FP8 (float-quantized: "
-             "channel, tensor or block scales) and NVFP4 (nvfp4-pack-quantized), ModelOpt NVFP4")
+             "channel, tensor or block scales) and NVFP4 (nvfp4-pack-quantized), ModelOpt NVFP4 and FP8")
+MODELOPT_ALGOS = ("NVFP4", "FP8")
 CT_FORMATS = ("float-quantized", "naive-quantized")
 CT_NVFP4 = "nvfp4-pack-quantized"
 CT_STRATEGIES = ("channel", "tensor", "block")
@@ -35,7 +37,9 @@ CT_STRATEGIES = ("channel", "tensor", "block")
 
 @dataclass(frozen=True)
 class QuantScheme:
-    method: str  # "fp8" (block-scaled, weight_scale_inv) | "compressed-tensors" (FP8 or NVFP4: `weights`) | "nvfp4"
+    # "fp8" (block-scaled, weight_scale_inv) | "compressed-tensors" (FP8 or NVFP4: `weights`) | "nvfp4" (ModelOpt)
+    # | "modelopt-fp8" (ModelOpt per-tensor FP8: weight_scale)
+    method: str
     source: str  # the file that declared it, for messages
     block: tuple[int, int] | None = None  # fp8: weight_block_size; compressed-tensors: the block strategy's
     strategies: tuple[str, ...] = ()  # compressed-tensors: the weight strategies its groups use
@@ -226,14 +230,19 @@ def _compressed_nvfp4(qc: dict, where: str, source: str) -> QuantScheme:
 def _modelopt(q: dict, source: str, where: str | None = None) -> QuantScheme:
     where = where or f"{source}: field 'quantization"
     algo = q.get("quant_algo")
-    if algo != "NVFP4":
+    if algo not in MODELOPT_ALGOS:
         raise ConfigError(f"{where}.quant_algo' is {shown(algo)}: not supported (of ModelOpt's formats cudflash "
-                          f"reads NVFP4; {SUPPORTED})")
-    group = q.get("group_size", 16)
-    if group != 16:
-        raise ConfigError(f"{where}.group_size' is {shown(group)}: NVFP4 has one scale per 16 elements")
+                          f"reads {' and '.join(MODELOPT_ALGOS)}; {SUPPORTED})")
     exclude = _names(q.get("exclude_modules"), f"{where}.exclude_modules'") + _names(q.get("ignore"),
                                                                                     f"{where}.ignore'")
     kv = q.get("kv_cache_quant_algo")
-    return QuantScheme("nvfp4", source, exclude=exclude, static_activations=True,
-                       kv_cache=None if kv is None else str(kv))
+    kv_cache = None if kv is None else str(kv)
+    if algo == "FP8":
+        # ModelOpt's FP8 (vLLM ModelOptFp8Config): `<m>.weight` E4M3 with one float32 `<m>.weight_scale` and a static
+        # `<m>.input_scale` per module; the scale multiplies. Read as a per-tensor FP8 weight (W8A16 here).
+        return QuantScheme("modelopt-fp8", source, strategies=("tensor",), exclude=exclude, static_activations=True,
+                           kv_cache=kv_cache)
+    group = q.get("group_size", 16)
+    if group != 16:
+        raise ConfigError(f"{where}.group_size' is {shown(group)}: NVFP4 has one scale per 16 elements")
+    return QuantScheme("nvfp4", source, exclude=exclude, static_activations=True, kv_cache=kv_cache)
