@@ -159,3 +159,38 @@ def test_graphed_verify_gives_the_eager_tokens(pair):
         if not eager:
             assert llm.engine.graphs.num_captures > 0
     assert runs[1] == runs[0]
+
+
+def test_causal_sliding_layer_matches_the_causal_reference(tmp_path):
+    """A DFlash sliding_attention layer without is_causal attends causally within the block (draft_config's
+    z-lab rule): the device drafter's hidden rows follow the causal float32 reference, and are much further from the
+    bidirectional one (what the device would compute if the flag did not reach the attention kernel)."""
+    from tests.drafter_reference import Reference
+
+    heads = TinyHeads(layer_types=["sliding_attention", "full_attention"], sliding_window=5)
+    shape = TinyShape(heads=heads, hidden_size=128, head_dim=64)
+    paths = write_random_pair(tmp_path, shape, seed=7)
+    llm = _llm(paths, block=6, enforce_eager=True)
+    assert llm.draft_cfg.layer_causal == [True, False]
+    inner, seen = llm.proposer, []
+
+    class Recording:  # host-side drafts, so that every step's drafter rows come back to the host
+        drafts_on_device, first_row = False, inner.first_row
+
+        def device_part(self, runner, batch, rows):
+            return inner.device_part(runner, batch, rows)
+
+        def host_part(self, runner, out, seqs, block):
+            h = np.asarray(runner.backend.to_numpy(out.h), dtype=np.float32).reshape(-1, block - 1, shape.hidden_size)
+            seen.extend(zip([list(s.token_ids) for s in seqs], h))
+            return inner.host_part(runner, out, seqs, block)
+
+    llm.proposer = Recording()
+    llm.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
+    causal, bidirectional = Reference(*paths), Reference(*paths)
+    bidirectional.causal = [False, False]
+    assert len(seen) >= 6
+    for tokens, h in seen:
+        near = rel_err(h, causal.draft_rows(tokens, 6)[0])
+        far = rel_err(h, bidirectional.draft_rows(tokens, 6)[0])
+        assert near < 3e-2 and far > 5 * near, (near, far)
