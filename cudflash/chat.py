@@ -314,4 +314,4 @@ def chat_prompt_ids(model_dir: str | Path, template: ChatTemplate | None, tokeni
         raise RequestError("chat_template_kwargs: expected an object with string keys")
     text = template.render(validate_messages(messages, where), validate_tools(tools), documents, add_generation_prompt,
                            continue_final_message, kwargs)
-    return tokenizer.encode(text)  # the template wrote the special tokens; none are added
+    return tokenizer.encode(text, special_tokens=False)  # the template wrote the special tokens; none are added

@@ -275,15 +275,18 @@ def _check_mlp(cfg: dict, path: str) -> None:
         raise ConfigError(f"{path}: mlp_bias: true is not supported")
 
 
-def transformer_dims(cfg: dict, path: str) -> dict[str, Any]:
+def transformer_dims(cfg: dict, path: str, default_head_dim: int | None = None) -> dict[str, Any]:
     """The decoder shape targets and drafters both declare, as TargetConfig / DraftConfig fields: each within
     its bound, and the heads consistent (KV heads divide the query heads; head_dim even for RoPE; without an
-    explicit head_dim, hidden_size a multiple of the heads)."""
+    explicit head_dim, `default_head_dim` (the architecture's own default) or else hidden_size / heads, which must
+    then divide)."""
     hidden = _int(cfg, "hidden_size", path, maximum=MAX_HIDDEN)
     heads = _int(cfg, "num_attention_heads", path, maximum=MAX_HEADS)
     kv_heads = _int(cfg, "num_key_value_heads", path, default=heads, maximum=MAX_HEADS)
     if cfg.get("head_dim") is not None:
         head_dim = _int(cfg, "head_dim", path, maximum=MAX_HEAD_DIM)
+    elif default_head_dim is not None:
+        head_dim = default_head_dim
     elif hidden % heads:
         raise ConfigError(
             f"{path}: no 'head_dim' and hidden_size {hidden} is not a multiple of num_attention_heads {heads}"
@@ -298,6 +301,36 @@ def transformer_dims(cfg: dict, path: str) -> dict[str, Any]:
                 num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                 intermediate_size=_int(cfg, "intermediate_size", path, maximum=MAX_INTERMEDIATE),
                 rms_norm_eps=_float(cfg, "rms_norm_eps", path, 1e-6, maximum=1.0), rope=parse_rope(cfg, path))
+
+
+# head_dim where config.json has none, as transformers' config classes default it: Qwen3Config declares head_dim = 128
+# (not hidden_size / heads: Qwen3-0.6B has 1024 / 16 and head_dim 128); Llama and Qwen2 take hidden_size / heads.
+DEFAULT_HEAD_DIM = {"qwen3": 128}
+QWEN_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _check_no_sliding_layers(cfg: dict, path: str, num_layers: int) -> None:
+    """Refuse a Qwen2 / Qwen3 config whose attention slides a window on some layer, which transformers' Qwen2Config /
+    Qwen3Config decide so: none without use_sliding_window or with sliding_window null; else the layers `layer_types`
+    names sliding_attention or, without layer_types, those from max_window_layers on (defaults: window 4096, 28)."""
+    if not _bool(cfg, "use_sliding_window", path, False):
+        return
+    if "sliding_window" in cfg and cfg["sliding_window"] is None:
+        return
+    window = _int(cfg, "sliding_window", path, default=4096)
+    types = cfg.get("layer_types")
+    if types is None:
+        first = _int(cfg, "max_window_layers", path, default=28, minimum=0)
+        sliding = list(range(first, num_layers))
+    else:
+        if not (isinstance(types, list) and len(types) == num_layers and all(t in QWEN_LAYER_TYPES for t in types)):
+            raise ConfigError(f"{path}: field 'layer_types' should list {num_layers} (num_hidden_layers) of "
+                              f"{' / '.join(QWEN_LAYER_TYPES)}, got {shown(types)}")
+        sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if sliding:
+        where = "layer_types" if types is not None else "max_window_layers"
+        raise ConfigError(f"{path}: sliding-window attention (use_sliding_window: true, sliding_window {window}) on "
+                          f"layers {shown(sliding, 60)} (from '{where}') is not supported")
 
 
 def load_target_config(model_dir: str | Path) -> TargetConfig:
@@ -317,15 +350,16 @@ def load_target_config(model_dir: str | Path) -> TargetConfig:
         raise ConfigError(
             f"{path}: unknown target architecture {shown(found)}{hint} (supported: {', '.join(TARGET_ARCHITECTURES)})"
         )
-    if arch in ("qwen2", "qwen3") and _bool(cfg, "use_sliding_window", path, False):
-        raise ConfigError(f"{path}: sliding-window attention (use_sliding_window: true) is not supported")
     _check_mlp(cfg, path)
     attention_bias = _bool(cfg, "attention_bias", path, False)
+    dims = transformer_dims(cfg, path, DEFAULT_HEAD_DIM.get(arch))
+    if arch in ("qwen2", "qwen3"):
+        _check_no_sliding_layers(cfg, path, dims["num_layers"])
     return TargetConfig(
         path=str(model_dir),
         arch=arch,
         vocab_size=_int(cfg, "vocab_size", path, maximum=MAX_VOCAB),
-        **transformer_dims(cfg, path),
+        **dims,
         max_position_embeddings=_int(cfg, "max_position_embeddings", path, maximum=MAX_POSITIONS),
         tie_word_embeddings=_bool(cfg, "tie_word_embeddings", path, False),
         # Qwen2 always has q/k/v biases (its HF config has no switch); Qwen3 and Llama follow attention_bias.

@@ -12,8 +12,11 @@ class Tokenizer:
 
         self._tok = HFTokenizer.from_file(str(path))
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. `special_tokens`: with the tokens tokenizer.json's post-processor puts around a text
+        (Llama 3's `<|begin_of_text|>`; none for Qwen), as transformers and vLLM encode a plain prompt; False for a
+        rendered chat template, which already holds every special token its model wants."""
+        return self._tok.encode(text, add_special_tokens=special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

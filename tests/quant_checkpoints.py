@@ -3,7 +3,8 @@
 - Qwen -FP8: `quantization_config {quant_method: fp8, fmt: e4m3, activation_scheme: dynamic, weight_block_size}`,
   projections F8_E4M3 with `weight_scale_inv` (F32 or BF16) per block;
 - compressed-tensors FP8 (llm-compressor FP8 / FP8_DYNAMIC): `format: float-quantized`, `weight_scale` [N, 1]
-  (channel) or [1] (tensor), optional static `input_scale`;
+  (channel) or [1] (tensor), optional static `input_scale`; and the older configs (frozen, nested);
+- AutoFP8: `quant_method: fp8` without weight_block_size, scalar `weight_scale` and optional `input_scale`;
 - ModelOpt NVFP4: hf_quant_config.json plus config.json `quantization_config {quant_method: modelopt}`, projections
   U8 [N, K/2] with `weight_scale` F8_E4M3 [N, K/16], `weight_scale_2` F32 [] and `input_scale` F32 [];
 - compressed-tensors NVFP4 (llm-compressor NVFP4 / NVFP4A16): `format: nvfp4-pack-quantized`, projections
@@ -110,8 +111,13 @@ def qwen_fp8(tensors: dict[str, np.ndarray], block=(128, 128), scale_dtype: str 
 
 
 def compressed_fp8(tensors: dict[str, np.ndarray], strategy: str = "channel", scale_dtype: str = "BF16",
-                   static_input: bool = False):
-    """(tensors, quantization_config) of an llm-compressor FP8 checkpoint (channel or tensor weight scales)."""
+                   static_input: bool = False, legacy: str = ""):
+    """(tensors, quantization_config) of an llm-compressor FP8 checkpoint (channel or tensor weight scales).
+    `legacy`: the config as older compressed-tensors wrote it, "frozen" (nm-testing/Meta-Llama-3.1-8B-Instruct-FP8-hf:
+    naive-quantized, quantization_status frozen, per-tensor BF16 scales [1] and BF16 input scales [1]) or "nested"
+    (the same fields one level down, in a quantization_config beside a dense sparsity_config)."""
+    if legacy:
+        strategy, scale_dtype, static_input = "tensor", "BF16", True
     out = {}
     for name, w in _to_quantize(tensors, out):
         amax = np.abs(w).max(axis=1, keepdims=True) if strategy == "channel" else np.abs(w).max().reshape(1)
@@ -120,7 +126,8 @@ def compressed_fp8(tensors: dict[str, np.ndarray], strategy: str = "channel", sc
         module = name[: -len("weight")]
         out[module + "weight_scale"] = _scale_tensor(scale, scale_dtype)
         if static_input:
-            out[module + "input_scale"] = ("F32", np.array([0.05], dtype=np.float32))
+            out[module + "input_scale"] = _scale_tensor(np.array([0.05], dtype=np.float32),
+                                                        "BF16" if legacy else "F32")
     act = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": not static_input,
            "strategy": "tensor" if static_input else "token"}
     config = {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
@@ -130,7 +137,30 @@ def compressed_fp8(tensors: dict[str, np.ndarray], strategy: str = "channel", sc
                                             "weights": {"num_bits": 8, "type": "float", "symmetric": True,
                                                         "dynamic": False, "strategy": strategy, "group_size": None,
                                                         "observer": "minmax"}}}}
+    if legacy:
+        config.update(format="naive-quantized", quantization_status="frozen", global_compression_ratio=1.24)
+    if legacy == "nested":
+        inner = {k: v for k, v in config.items() if k != "quant_method"}
+        config = {"quant_method": "compressed-tensors", "quantization_config": {**inner, "quant_method": "sparseml"},
+                  "sparsity_config": {"format": "dense", "global_sparsity": 0.4, "sparsity_structure": "unstructured"}}
     return out, config
+
+
+def autofp8(tensors: dict[str, np.ndarray], static: bool = False):
+    """(tensors, quantization_config) of an AutoFP8 checkpoint (neuralmagic's first -FP8 releases, e.g.
+    Meta-Llama-3-8B-Instruct-FP8): `quant_method: fp8` without weight_block_size, one F32 scalar weight_scale (amax /
+    448) per module and, for the static scheme, a scalar input_scale."""
+    out = {}
+    for name, w in _to_quantize(tensors, out):
+        amax = np.float32(np.abs(w).max())
+        scale = np.float32(amax / np.float32(448)) if amax > 0 else np.float32(1)
+        module = name[: -len("weight")]
+        out[name] = ("F8_E4M3", encode_e4m3(w / scale))
+        out[module + "weight_scale"] = ("F32", np.array(scale, dtype=np.float32))
+        if static:
+            out[module + "input_scale"] = ("F32", np.array(0.04, dtype=np.float32))
+    return out, {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic",
+                 "ignored_layers": ["lm_head"]}
 
 
 def modelopt_nvfp4(tensors: dict[str, np.ndarray]):

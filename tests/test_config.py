@@ -145,6 +145,35 @@ def test_unsupported_rope_layouts(tmp_path):
     target_error(tmp_path, cfg, "rope_theta")
 
 
+def test_sliding_window_only_where_a_layer_slides(tmp_path):
+    """Qwen2Config / Qwen3Config slide a window only with use_sliding_window and a sliding_window, on the layers
+    layer_types names sliding_attention or, without it, from max_window_layers (default 28) on."""
+    for i, (arch, fields) in enumerate([
+        ("qwen2", dict(use_sliding_window=True, sliding_window=4096, max_window_layers=2)),  # Qwen2.5's shape
+        ("qwen2", dict(use_sliding_window=True)),  # defaults: window 4096 from layer 28 on
+        ("qwen3", dict(use_sliding_window=True, sliding_window=None, max_window_layers=0)),  # no window
+        ("qwen3", dict(use_sliding_window=True, sliding_window=32, layer_types=["full_attention"] * 2)),
+        ("qwen3", dict(use_sliding_window=False, sliding_window=32, layer_types=["sliding_attention"] * 2)),
+    ]):
+        cfg = {**target_config(TinyShape(arch=arch, num_layers=2)), **fields}
+        assert load_target_config(write_cfg(tmp_path / str(i), cfg)).num_layers == 2
+    cfg = {**target_config(TinyShape(arch="qwen3", num_layers=2)), "use_sliding_window": True,
+           "layer_types": ["full_attention", "sliding_attention"]}
+    target_error(tmp_path / "a", cfg, "sliding_window 4096", "layers [1]", "from 'layer_types'")
+    cfg["layer_types"] = ["full_attention"]
+    target_error(tmp_path / "b", cfg, "layer_types", "should list 2")
+
+
+def test_qwen3_head_dim_defaults_to_128(tmp_path):
+    """Qwen3Config's head_dim defaults to 128, not hidden_size / heads (Llama's rule, kept for Llama)."""
+    cfg = target_config(TinyShape(arch="qwen3", hidden_size=64, num_heads=4, num_kv_heads=2))
+    del cfg["head_dim"]
+    assert load_target_config(write_cfg(tmp_path / "q", cfg)).head_dim == 128
+    cfg = target_config(TinyShape(arch="llama", hidden_size=64, num_heads=4, num_kv_heads=2))
+    del cfg["head_dim"]
+    assert load_target_config(write_cfg(tmp_path / "l", cfg)).head_dim == 16
+
+
 def test_defaults_when_optional_fields_absent(tmp_path):
     cfg = target_config(TinyShape(arch="llama", hidden_size=64, num_heads=4))
     for key in ("num_key_value_heads", "head_dim", "tie_word_embeddings", "rms_norm_eps", "eos_token_id"):
@@ -249,9 +278,9 @@ def test_head_layout_errors(tmp_path):
 
 
 def test_unsupported_target_features(tmp_path):
-    cfg = target_config(TinyShape(arch="qwen2"))
-    cfg["use_sliding_window"] = True
-    target_error(tmp_path, cfg, "use_sliding_window")
+    cfg = target_config(TinyShape(arch="qwen2", num_layers=3))
+    cfg.update(use_sliding_window=True, sliding_window=64, max_window_layers=1)
+    target_error(tmp_path, cfg, "use_sliding_window", "sliding_window 64", "layers [1, 2]", "max_window_layers")
     cfg = target_config(TinyShape(arch="llama"))
     cfg["hidden_act"] = "gelu"
     target_error(tmp_path, cfg, "hidden_act", "gelu")

@@ -25,7 +25,7 @@ from cudflash.quant.numerics import (E4M3_TABLE, decode_e2m1, encode_e2m1, encod
 from cudflash.quant.weight import dequantize_reference
 from cudflash.sampling_params import SamplingParams
 from cudflash.tiny import TinyShape, draft_config, draft_tensors, target_config, target_tensors, write_model
-from tests.quant_checkpoints import (compressed_fp8, compressed_nvfp4, modelopt_fp8, modelopt_nvfp4, qwen_fp8,
+from tests.quant_checkpoints import (autofp8, compressed_fp8, compressed_nvfp4, modelopt_fp8, modelopt_nvfp4, qwen_fp8,
                                      write_tagged_model)
 
 
@@ -202,8 +202,12 @@ def _write(tmp_path: Path, name: str, fmt: str, shape: TinyShape, shards: int = 
         out, config["quantization_config"] = compressed_fp8(tensors, **kw)
     elif fmt == "compressed_nvfp4":
         out, config["quantization_config"] = compressed_nvfp4(tensors, **kw)
+    elif fmt == "autofp8":
+        out, config["quantization_config"] = autofp8(tensors, **kw)
     else:
         out, hf, qc = (modelopt_fp8 if fmt == "modelopt_fp8" else modelopt_nvfp4)(tensors)
+        if kw.get("lower"):  # exports may spell quant_algo in lower case
+            hf["quantization"]["quant_algo"] = hf["quantization"]["quant_algo"].lower()
         extra = {"hf_quant_config.json": hf}
         if kw.get("in_config"):
             config["quantization_config"] = qc
@@ -255,6 +259,10 @@ ODD = TinyShape(hidden_size=80, num_heads=5, num_kv_heads=1, head_dim=16, interm
                                     ("qwen_fp8", {"block": (32, 32)}),
                                     ("compressed_fp8", {}), ("compressed_fp8", {"strategy": "tensor"}),
                                     ("compressed_fp8", {"static_input": True, "scale_dtype": "F32"}),
+                                    ("compressed_fp8", {"legacy": "frozen"}), ("compressed_fp8", {"legacy": "nested"}),
+                                    ("autofp8", {}), ("autofp8", {"static": True}),
+                                    ("modelopt_nvfp4", {"in_config": True, "lower": True}),
+                                    ("modelopt_fp8", {"lower": True}),
                                     ("modelopt_nvfp4", {}), ("modelopt_nvfp4", {"in_config": True}),
                                     ("modelopt_fp8", {}), ("modelopt_fp8", {"in_config": True}),
                                     ("compressed_nvfp4", {}), ("compressed_nvfp4", {"w4a4": True})])
@@ -300,7 +308,7 @@ def test_released_fp8_dims_off_the_block_grid_use_a_row_map(tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["qwen_fp8", "compressed_fp8", "modelopt_nvfp4", "modelopt_fp8", "compressed_nvfp4",
-                                 "at_load"])
+                                 "autofp8", "at_load"])
 def test_quantized_target_speculative_greedy_equals_autoregressive(tmp_path, fmt):
     shape = TinyShape(num_layers=3, target_layer_ids=[0, 2])
     tensors, config = _target(tmp_path, shape, seed=7)
@@ -450,7 +458,7 @@ CT_GROUP = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type"
     ({"bits": 4}, "quant_method' is missing"),
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
      "activation_scheme' is 'static'"),
-    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "weight_block_size' is missing: per-tensor FP8"),
+    ({"quant_method": "fp8", "activation_scheme": "per-token"}, "activation_scheme' is 'per-token': expected"),
     ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "fmt' is 'e5m2'"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size' should be"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": CT_GROUP},
@@ -466,9 +474,15 @@ CT_GROUP = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type"
     ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
       "config_groups": {"g": {"format": "float-quantized", "weights": {"num_bits": 4, "type": "float"}}}},
      "mixed formats are not supported"),
-    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "frozen",
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "initialized",
       "config_groups": {"g": {"weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
-                                          "group_size": 16}}}}, "quantization_status' is 'frozen'"),
+                                          "group_size": 16}}}}, "quantization_status' is 'initialized'"),
+    ({"quant_method": "compressed-tensors", "quantization_config": {"format": "float-quantized",
+                                                                   "quantization_status": "calibration",
+                                                                   "config_groups": CT_GROUP}},
+     "quantization_status' is 'calibration'"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": CT_GROUP,
+      "transform_config": {"config_groups": {"u": {"type": "hadamard"}}}}, "transform_config' is set"),
     ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": CT_GROUP}, "'int-quantized'"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized",
       "config_groups": {"g": {"weights": {"num_bits": 4, "type": "float", "strategy": "group"}}}},
@@ -477,7 +491,11 @@ CT_GROUP = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type"
       "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "group"}}}},
      "strategy' is 'group'"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": CT_GROUP,
-      "sparsity_config": {"format": "sparse-24"}}, "sparsity_config' is set"),
+      "sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity_config' has format 'sparse-24-bitmask'"),
+    ({"quant_method": "compressed-tensors", "quantization_config": {"format": "float-quantized",
+                                                                   "config_groups": CT_GROUP},
+      "sparsity_config": {"format": "sparse-bitmask"}}, "sparsity_config' has format 'sparse-bitmask'"),
+    ({"quant_method": "modelopt", "quant_algo": "nvfp4_awq"}, "quant_algo' is 'NVFP4_AWQ'"),
     ({"quant_method": "modelopt", "quant_algo": "FP8_PB_WO"}, "quant_algo' is 'FP8_PB_WO': not supported"),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4_AWQ"}, "'NVFP4_AWQ'"),
     ({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"}, "'MIXED_PRECISION'"),

@@ -5,7 +5,8 @@ it under the names of its format:
 - fp8 (Qwen -FP8): `<m>.weight` F8_E4M3 [N, K], `<m>.weight_scale_inv` F32 or BF16 [cdiv(N, rows), cdiv(K, cols)];
 - compressed-tensors: `<m>.weight` F8_E4M3 [N, K], `<m>.weight_scale` float [N, 1] (channel), [1] or [] (tensor)
   or [cdiv(N, rows), cdiv(K, cols)] (block); optional `<m>.input_scale`;
-- ModelOpt FP8: `<m>.weight` F8_E4M3 [N, K], `<m>.weight_scale` F32 [] or [1] (per tensor), `<m>.input_scale`;
+- ModelOpt FP8 and AutoFP8 (`quant_method: fp8` without blocks): `<m>.weight` F8_E4M3 [N, K], `<m>.weight_scale`
+  F32 [] or [1] (per tensor), `<m>.input_scale`;
 - ModelOpt NVFP4: `<m>.weight` U8 [N, K / 2], `<m>.weight_scale` F8_E4M3 [N, K / 16], `<m>.weight_scale_2` F32
   [] or [1], optional `<m>.input_scale` F32;
 - compressed-tensors NVFP4 (nvfp4-pack-quantized): `<m>.weight_packed` U8 [N, K / 2] (the same nibble order),
@@ -82,7 +83,7 @@ def read_quantized(ckpt: Checkpoint, name: str, shape: tuple[int, ...], scheme: 
     if scheme.method == "fp8" or "block" in scheme.strategies:
         bn, bk = scheme.block
         shapes[(cdiv(n, bn), cdiv(k, bk))] = (bn, bk)
-    if scheme.method in ("compressed-tensors", "modelopt-fp8"):
+    if scheme.method in ("compressed-tensors", "modelopt-fp8", "fp8-tensor"):
         if "channel" in scheme.strategies:
             shapes[(n, 1)] = (1, k)
         if "tensor" in scheme.strategies:

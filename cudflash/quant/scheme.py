@@ -3,9 +3,14 @@ hf_quant_config.json. Every other format or variant is refused here, by name, be
 
 Read (docs/quantization.md has the sources):
 - `quant_method: fp8` with `weight_block_size` [rows, cols] (Qwen's -FP8 releases, DeepSeek-V3), `fmt: e4m3`,
-  `activation_scheme: dynamic`; `modules_to_not_convert` (or vLLM's `ignored_layers`).
+  `activation_scheme: dynamic`; `modules_to_not_convert` (or vLLM's `ignored_layers`). Without `weight_block_size`:
+  AutoFP8's per-tensor layout (neuralmagic's first -FP8 releases), one `weight_scale` per module, activations dynamic
+  or static (`input_scale`, recorded), as vLLM's Fp8Config reads it.
 - `quant_method: compressed-tensors`, `format: float-quantized` or `naive-quantized`, whose `config_groups` all
-  quantize weights to 8-bit floats (`strategy` channel, tensor or block); `ignore`. Or `format:
+  quantize weights to 8-bit floats (`strategy` channel, tensor or block); `ignore`. Older releases are read as
+  transformers reads them: `quantization_status: frozen` (what compressed-tensors before 0.7 wrote into checkpoints it
+  had compressed), the fields nested one level down in a `quantization_config` beside `sparsity_config`, and a
+  `sparsity_config` whose format is `dense` (the identity: the weights are stored as they are). Or `format:
   nvfp4-pack-quantized` (llm-compressor's NVFP4 / NVFP4A16), whose groups all quantize weights to 4-bit floats with
   `strategy: tensor_group`, `group_size: 16` (activations none, or the W4A4 scheme's 4-bit floats: recorded).
 - ModelOpt: `quant_algo: NVFP4`, `group_size: 16`, or `quant_algo: FP8` (per-tensor E4M3 weights with a static
@@ -27,8 +32,9 @@ from cudflash.errors import ConfigError
 from cudflash.model_files import shown
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
-SUPPORTED = ("fp8 with weight_block_size (the Qwen -FP8 releases), compressed-tensors FP8 (float-quantized: "
-             "channel, tensor or block scales) and NVFP4 (nvfp4-pack-quantized), ModelOpt NVFP4 and FP8")
+SUPPORTED = ("fp8 (block-scaled as the Qwen -FP8 releases, or AutoFP8's per-tensor), compressed-tensors FP8 "
+             "(float-quantized: channel, tensor or block scales) and NVFP4 (nvfp4-pack-quantized), ModelOpt NVFP4 and "
+             "FP8")
 MODELOPT_ALGOS = ("NVFP4", "FP8")
 CT_FORMATS = ("float-quantized", "naive-quantized")
 CT_NVFP4 = "nvfp4-pack-quantized"
@@ -37,8 +43,8 @@ CT_STRATEGIES = ("channel", "tensor", "block")
 
 @dataclass(frozen=True)
 class QuantScheme:
-    # "fp8" (block-scaled, weight_scale_inv) | "compressed-tensors" (FP8 or NVFP4: `weights`) | "nvfp4" (ModelOpt)
-    # | "modelopt-fp8" (ModelOpt per-tensor FP8: weight_scale)
+    # "fp8" (block-scaled, weight_scale_inv) | "fp8-tensor" (AutoFP8 per-tensor: weight_scale) | "compressed-tensors"
+    # (FP8 or NVFP4: `weights`) | "nvfp4" (ModelOpt) | "modelopt-fp8" (ModelOpt per-tensor FP8: weight_scale)
     method: str
     source: str  # the file that declared it, for messages
     block: tuple[int, int] | None = None  # fp8: weight_block_size; compressed-tensors: the block strategy's
@@ -107,7 +113,7 @@ def read_quant_scheme(model_dir: str | Path) -> QuantScheme | None:
         return _compressed_tensors(qc, where, str(config_path))
     if method == "modelopt":
         if modelopt is not None:
-            algo_here, algo_there = qc.get("quant_algo"), modelopt.get("quant_algo")
+            algo_here, algo_there = _algo(qc), _algo(modelopt)
             if algo_here is not None and algo_here != algo_there:
                 raise ConfigError(f"{where}.quant_algo' is {shown(algo_here)} but {hf_path} says {shown(algo_there)}")
             return _modelopt(modelopt, str(hf_path))
@@ -119,20 +125,34 @@ def _fp8(qc: dict, where: str, source: str) -> QuantScheme:
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise ConfigError(f"{where}.fmt' is {shown(fmt)}: only e4m3 FP8 weights are supported")
-    if qc.get("weight_block_size") is None:
-        raise ConfigError(f"{where}.weight_block_size' is missing: per-tensor FP8 (quant_method fp8 without block "
-                          f"scales) is not supported; block-scaled FP8 and compressed-tensors FP8 are")
-    block = _block(qc["weight_block_size"], f"{where}.weight_block_size'")
     scheme = qc.get("activation_scheme", "dynamic")
+    if scheme not in ("dynamic", "static"):
+        raise ConfigError(f"{where}.activation_scheme' is {shown(scheme)}: expected 'dynamic' or 'static'")
+    exclude = _names(qc.get("modules_to_not_convert"), f"{where}.modules_to_not_convert'")
+    exclude += _names(qc.get("ignored_layers"), f"{where}.ignored_layers'")
+    if qc.get("weight_block_size") is None:
+        # AutoFP8 (vLLM's Fp8Config without block_quant): `<m>.weight` E4M3 and one `<m>.weight_scale` that multiplies;
+        # a static scheme adds `<m>.input_scale` (recorded: cudflash computes with bf16 activations).
+        return QuantScheme("fp8-tensor", source, strategies=("tensor",), exclude=exclude,
+                           static_activations=scheme == "static")
+    block = _block(qc["weight_block_size"], f"{where}.weight_block_size'")
     if scheme != "dynamic":
         raise ConfigError(f"{where}.activation_scheme' is {shown(scheme)}: block-scaled FP8 is defined with dynamic "
                           f"activations only (as vLLM and transformers read it)")
-    exclude = _names(qc.get("modules_to_not_convert"), f"{where}.modules_to_not_convert'")
-    exclude += _names(qc.get("ignored_layers"), f"{where}.ignored_layers'")
     return QuantScheme("fp8", source, block=block, exclude=exclude)
 
 
+def _unnested(qc: dict) -> dict:
+    """The fields of a compressed-tensors config: older releases nest them one level down, in a
+    `quantization_config` beside `sparsity_config` (transformers' CompressedTensorsConfig.from_dict lifts them)."""
+    inner = qc.get("quantization_config")
+    if not isinstance(inner, dict):
+        return qc
+    return {**inner, "quant_method": qc["quant_method"], "sparsity_config": qc.get("sparsity_config")}
+
+
 def _compressed_tensors(qc: dict, where: str, source: str) -> QuantScheme:
+    qc = _unnested(qc)
     fmt = qc.get("format")
     if fmt == CT_NVFP4:
         return _compressed_nvfp4(qc, where, source)
@@ -174,15 +194,27 @@ def _compressed_tensors(qc: dict, where: str, source: str) -> QuantScheme:
                        kv_cache=None if kv is None else shown(kv))
 
 
+# Statuses of a checkpoint saved after compression: "compressed", and "frozen", which compressed-tensors before 0.7
+# recorded in checkpoints it had compressed all the same (e.g. nm-testing/Meta-Llama-3.1-8B-Instruct-FP8-hf:
+# naive-quantized, F8_E4M3 weights). The tensors' dtypes decide what is read either way.
+CT_SAVED_STATUSES = ("compressed", "frozen")
+
+
 def _check_compressed(qc: dict, where: str) -> None:
-    """What every compressed-tensors checkpoint read here must be: saved compressed, without sparsity or transforms."""
+    """What every compressed-tensors checkpoint read here must be: saved after compression, without sparse
+    compression or transforms."""
     status = qc.get("quantization_status", "compressed")
-    if status != "compressed":
-        raise ConfigError(f"{where}.quantization_status' is {shown(status)}: only 'compressed' checkpoints hold the "
-                          f"quantized weights as saved for inference")
-    for key in ("sparsity_config", "transform_config"):
-        if qc.get(key):
-            raise ConfigError(f"{where}.{key}' is set: compressed-tensors sparsity and transforms are not supported")
+    if status not in CT_SAVED_STATUSES:
+        raise ConfigError(f"{where}.quantization_status' is {shown(status)}: only checkpoints saved compressed "
+                          f"({' or '.join(CT_SAVED_STATUSES)}) hold the quantized weights as saved for inference")
+    sparsity = qc.get("sparsity_config")
+    if sparsity and not (isinstance(sparsity, dict) and sparsity.get("format") == "dense"):
+        # "dense" is compressed-tensors' identity sparsity compressor: the weights are stored as they are.
+        what = shown(sparsity.get("format")) if isinstance(sparsity, dict) else shown(sparsity)
+        raise ConfigError(f"{where}.sparsity_config' has format {what}: compressed-tensors sparse compression is "
+                          f"not supported (only 'dense', weights stored as they are)")
+    if qc.get("transform_config"):
+        raise ConfigError(f"{where}.transform_config' is set: compressed-tensors transforms are not supported")
 
 
 def _groups(qc: dict, where: str) -> dict:
@@ -227,9 +259,16 @@ def _compressed_nvfp4(qc: dict, where: str, source: str) -> QuantScheme:
                        static_activations=static, kv_cache=None if kv is None else shown(kv), weights="nvfp4")
 
 
+def _algo(q: dict) -> Any:
+    """ModelOpt's quant_algo, upper-cased: exports may spell it in lower case (vLLM's ModelOpt loader normalizes it
+    the same way)."""
+    algo = q.get("quant_algo")
+    return algo.upper() if isinstance(algo, str) else algo
+
+
 def _modelopt(q: dict, source: str, where: str | None = None) -> QuantScheme:
     where = where or f"{source}: field 'quantization"
-    algo = q.get("quant_algo")
+    algo = _algo(q)
     if algo not in MODELOPT_ALGOS:
         raise ConfigError(f"{where}.quant_algo' is {shown(algo)}: not supported (of ModelOpt's formats cudflash "
                           f"reads {' and '.join(MODELOPT_ALGOS)}; {SUPPORTED})")
