@@ -1,0 +1,128 @@
+"""The server under inputs and events that went wrong before: engine failures that must not take other clients'
+requests with them, limits that a request without max_tokens must respect, and malformed HTTP. Plain HTTP only (no
+openai client), on the trained tiny pair on the CPU."""
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+pytest.importorskip("starlette", reason="the server needs `pip install cudflash[serve]`")
+pytest.importorskip("uvicorn", reason="the server needs `pip install cudflash[serve]`")
+
+from cudflash import LLM, SamplingParams  # noqa: E402
+from cudflash.server.app import build_app  # noqa: E402
+
+from conftest import poison_one_logit  # noqa: E402
+from http_helpers import RunningServer, connect, request  # noqa: E402
+
+MODEL = "tiny"
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+def completion(prompt: str, max_tokens: int, **kw) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **kw}
+
+
+def finished(m: dict[str, float], reason: str) -> float:
+    return m.get(f'cudflash_requests_finished_total{{finish_reason="{reason}"}}', 0.0)
+
+
+@pytest.fixture(scope="module")
+def reference(chat_target, tiny_pair):
+    return LLM(chat_target, draft=tiny_pair / "drafter", backend="cpu")
+
+
+@pytest.fixture
+def one_seq(chat_target, tiny_pair):
+    """A server that runs one sequence at a time (the others wait in the scheduler)."""
+    llm = LLM(chat_target, draft=tiny_pair / "drafter", backend="cpu", max_num_seqs=1)
+    server = RunningServer(build_app(llm, model_name=MODEL, max_queued=4))
+    yield server, llm
+    server.close()
+
+
+def _open_stream(url: str, body: dict):
+    conn = connect(url, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}).encode(),
+                 headers={"content-type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: {")
+    return conn, response
+
+
+def test_a_failed_step_fails_only_the_requests_it_ran(one_seq, reference):
+    """A step that raises fails the request it was running (an error event on its stream); the requests waiting
+    behind it were not touched by the step and complete exactly, and every block comes back."""
+    server, llm = one_seq
+    real_run, raised = llm.engine.run, []
+
+    def run(plan, block_size):  # raise once, when the two other requests are queued behind the running one
+        if not raised and len(llm.scheduler.waiting) == 2:
+            raised.append(1)
+            raise RuntimeError("injected kernel failure")
+        return real_run(plan, block_size)
+
+    llm.engine.run = run
+    conn, stream = _open_stream(server.url, completion("def forever(", 3000))
+    replies: dict[int, object] = {}
+
+    def post(i: int) -> None:
+        replies[i] = request(server.url, "POST", "/v1/completions", completion(f"def f{i}(", 8), timeout=60)
+
+    threads = [threading.Thread(target=post, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    rest = stream.read().decode()  # the stream ends once its request failed
+    conn.close()
+    for t in threads:
+        t.join(timeout=60)
+    assert raised and '"type":"server_error"' in rest and rest.rstrip().endswith("data: [DONE]")
+    expected = reference.generate([f"def f{i}(" for i in range(2)], SamplingParams(max_tokens=8, ignore_eos=True))
+    for i in range(2):
+        assert replies[i].status_code == 200, replies[i].text
+        assert replies[i].json()["choices"][0]["text"] == expected[i].text
+    m = server.idle()
+    assert m["cudflash_kv_blocks_used"] == 0 and finished(m, "error") == 1
+
+
+def test_a_request_that_ends_in_an_engine_error_is_answered_as_one(one_seq, reference):
+    """Non-finite logits end one request with finish reason "error": the client gets a server error (OpenAI
+    defines no such finish reason), and the next request is served as usual."""
+    server, llm = one_seq
+    restore = poison_one_logit(llm, step=2)
+    try:
+        r = request(server.url, "POST", "/v1/completions", completion("def g(", 12))
+    finally:
+        restore()
+    assert r.status_code == 500, r.text
+    error = r.json()["error"]
+    assert set(error) == ERROR_KEYS and error["type"] == "server_error"
+    r = request(server.url, "POST", "/v1/completions", completion("def g(", 6))
+    expected = reference.generate(["def g("], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected.text
+    m = server.idle()
+    assert m["cudflash_kv_blocks_used"] == 0 and finished(m, "error") == 1
+
+
+def test_the_engine_thread_survives_an_error_outside_a_step(one_seq):
+    """An exception in the engine thread's own bookkeeping (here: has_unfinished) must not kill the thread, which
+    would leave every later request waiting forever: the request in flight fails, the next one is served."""
+    server, llm = one_seq
+    real, raised = llm.has_unfinished, []
+
+    def has_unfinished() -> bool:
+        if llm.requests and not raised:
+            raised.append(1)
+            raise RuntimeError("injected bookkeeping failure")
+        return real()
+
+    llm.has_unfinished = has_unfinished
+    r = request(server.url, "POST", "/v1/completions", completion("x = ", 4))
+    assert raised and r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert server.engine.alive and request(server.url, "GET", "/health").status_code == 200
+    r = request(server.url, "POST", "/v1/completions", completion("x = ", 4), timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert server.idle()["cudflash_kv_blocks_used"] == 0
+
