@@ -126,3 +126,29 @@ def test_the_engine_thread_survives_an_error_outside_a_step(one_seq):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     assert server.idle()["cudflash_kv_blocks_used"] == 0
 
+
+@pytest.mark.parametrize("kwargs", [dict(max_model_len=64), dict(num_kv_blocks=6, draft_options={"tree_budget": 31})],
+                         ids=["max_model_len", "tree-lookahead"])
+def test_a_request_without_max_tokens_gets_the_rest_of_the_context(chat_target, tiny_pair, kwargs):
+    """A chat request that sets no max_tokens gets what its prompt leaves, as admission counts it: within the
+    LLM's max_model_len (not the model's 4096 positions) and the KV pool beside a draft tree's lookahead (not only
+    the block's). /v1/models reports the max_model_len served; a prompt with no room is refused for its length."""
+    llm = LLM(chat_target, draft=tiny_pair / "drafter", backend="cpu", **kwargs)
+    server = RunningServer(build_app(llm, model_name=MODEL))
+    try:
+        messages = [{"role": "user", "content": "hi"}]
+        prompt_len = len(llm.apply_chat_template(messages))
+        r = request(server.url, "POST", "/v1/chat/completions", {"messages": messages, "ignore_eos": True,
+                                                                 "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == llm.admission.room(prompt_len) > 0
+        assert r.json()["usage"]["total_tokens"] <= llm.max_model_len
+        assert request(server.url, "GET", "/v1/models").json()["data"][0]["max_model_len"] == llm.max_model_len
+        long = [{"role": "user", "content": "word " * llm.max_model_len}]
+        r = request(server.url, "POST", "/v1/chat/completions", {"messages": long})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert "max_tokens" not in r.json()["error"]["message"]
+        assert server.idle()["cudflash_kv_blocks_used"] == 0
+    finally:
+        server.close()
+
