@@ -4,6 +4,7 @@ openai client), on the trained tiny pair on the CPU."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 
 import pytest
@@ -152,3 +153,56 @@ def test_a_request_without_max_tokens_gets_the_rest_of_the_context(chat_target, 
     finally:
         server.close()
 
+
+@pytest.fixture(scope="module")
+def served(chat_target, tiny_pair):
+    server = RunningServer(build_app(LLM(chat_target, draft=tiny_pair / "drafter", backend="cpu"), model_name=MODEL))
+    yield server
+    server.close()
+
+
+def raw_http(url: str, data: bytes) -> tuple[int, dict]:
+    """Send bytes as they are (a body without a content type, a chunked one) and read the status and JSON body."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(data)
+        reply = b""
+        while b"\r\n\r\n" not in reply or len(reply.split(b"\r\n\r\n", 1)[1]) < _length(reply):
+            piece = sock.recv(65536)
+            assert piece, reply
+            reply += piece
+    head, body = reply.split(b"\r\n\r\n", 1)
+    return int(head.split()[1]), json.loads(body)
+
+
+def _length(reply: bytes) -> int:
+    head = reply.split(b"\r\n\r\n", 1)[0].lower()
+    return int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+
+
+def test_the_body_must_be_declared_as_json_and_fit_the_limit(served):
+    """A body sent as form data or text is refused (vLLM's FastAPI does the same) instead of being parsed as JSON;
+    JSON with parameters, +json types and an undeclared type are read; bodies over the limit get 413, whether the
+    size is declared or only found while reading a chunked body; the server serves on."""
+    body = completion("x = ", 2)
+    for declared in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=b"):
+        r = request(served.url, "POST", "/v1/completions", body, {"content-type": declared})
+        assert r.status_code == 400, (declared, r.text)
+        assert set(r.json()["error"]) == ERROR_KEYS and "Content-Type" in r.json()["error"]["message"]
+    for declared in ("application/json; charset=utf-8", "Application/JSON", "application/vnd.example+json", ""):
+        assert request(served.url, "POST", "/v1/completions", body, {"content-type": declared}).status_code == 200
+    raw = json.dumps(body).encode()
+    status, reply = raw_http(served.url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                             % (len(raw), raw))
+    assert status == 200 and reply["usage"]["completion_tokens"] == 2
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(raw[i:i + 7]), raw[i:i + 7]) for i in range(0, len(raw), 7))
+    status, reply = raw_http(served.url, head + b"Transfer-Encoding: chunked\r\n\r\n" + chunked + b"0\r\n\r\n")
+    assert status == 200 and reply["usage"]["completion_tokens"] == 2
+    status, reply = raw_http(served.url, head + b"Content-Length: 99999999999\r\n\r\n{}")
+    assert status == 413 and set(reply["error"]) == ERROR_KEYS
+    mib = b"a" * 2**20
+    status, reply = raw_http(served.url, head + b"Transfer-Encoding: chunked\r\n\r\n"
+                             + b"".join(b"%x\r\n%s\r\n" % (len(mib), mib) for _ in range(17)) + b"0\r\n\r\n")
+    assert status == 413 and set(reply["error"]) == ERROR_KEYS
+    assert request(served.url, "POST", "/v1/completions", body).status_code == 200

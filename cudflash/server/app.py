@@ -319,7 +319,21 @@ class OpenAIServer:
         yield protocol.sse("[DONE]")
 
 
+def _check_content_type(request: Request) -> None:
+    """A body declared as something other than JSON is refused (as vLLM's FastAPI does), rather than parsed as JSON
+    anyway; a request that declares no type is read as JSON."""
+    declared = request.headers.get("content-type", "")
+    media = declared.split(";", 1)[0].strip().lower()
+    if media and media != "application/json" and not media.endswith("+json"):
+        raise APIError(400, f"the request body must be JSON (Content-Type: application/json), got Content-Type "
+                            f"{declared[:60]!a}")
+
+
 async def _read_body(request: Request) -> dict:
+    _check_content_type(request)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:  # refused before reading any of it
+        raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB")
     raw, size = [], 0
     async for piece in request.stream():
         size += len(piece)
