@@ -3,10 +3,12 @@
 """
 from __future__ import annotations
 
+import functools
+import threading
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Sequence as Seq
+from typing import Callable, Sequence as Seq, TypeVar
 
 import numpy as np
 
@@ -27,6 +29,21 @@ from cudflash.hub import resolve_model
 from cudflash.quant.options import check_quantize
 from cudflash.sampling_params import SamplingParams
 from cudflash.tokenizer import load_tokenizer
+
+
+F = TypeVar("F", bound=Callable)
+
+
+def _serialized(method: F) -> F:
+    """Run the method holding the LLM's lock. Invariant: the scheduler, the KV blocks and `requests` change only
+    under it, so that threads sharing one LLM (two `generate` calls, a stream consumed in another thread) take turns
+    step by step instead of stepping into each other's half-built batches. Reentrant: `generate` holds it around
+    `_queue`, which holds it again."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked  # type: ignore[return-value]
 
 
 @dataclass(slots=True)
@@ -135,6 +152,8 @@ class LLM:
         self.requests: dict[int, Sequence] = {}  # every request added and not yet forgotten (result / stream end)
         self._abandoned: list[Sequence] = []  # requests of streams dropped unclosed, aborted at the next safe point
         self._next_id = 0
+        self._lock = threading.RLock()  # see _serialized
+        self._stepping = False  # inside step(): a step re-entered from inside one (a callback) is refused
 
     def _make_step(self, proposer: Proposer | None, graphs: bool) -> SpeculativeStep:
         """The engine's step; with `graphs`, its decode-only steps replay CUDA graphs that the engine owns."""
@@ -160,12 +179,14 @@ class LLM:
         self.engine.set_proposer(proposer)
 
     # ---- requests
+    @_serialized
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
         """Queue a request; it runs in the next steps alongside the others. Returns its request id. Every check
         happens here (cudflash.engine.admission): a request that is queued never makes a step raise."""
         ids, params = self.admission.admit(prompt, params)
         return self._queue(ids, params).seq_id
 
+    @_serialized
     def _queue(self, ids: list[int], params: SamplingParams) -> Sequence:
         self._reap_abandoned()
         seq = Sequence(self._next_id, ids, params)
@@ -174,6 +195,7 @@ class LLM:
         self.scheduler.add(seq)
         return seq
 
+    @_serialized
     def abort(self, request_id: int) -> None:
         """Finish a request with reason "abort" and free its KV blocks at once; a no-op for a finished or unknown
         id (a stream's request may have ended on its own)."""
@@ -181,6 +203,7 @@ class LLM:
         if seq is not None:
             self._abort(seq)
 
+    @_serialized
     def _abort(self, seq: Sequence) -> None:
         if not seq.finished:
             self.scheduler.remove(seq)
@@ -202,6 +225,7 @@ class LLM:
         return self.scheduler.has_work
 
     # ---- stepping
+    @_serialized
     def step(self) -> list[RequestOutput]:
         """One engine step: the new tokens (and text) of every request it advanced.
 
@@ -209,7 +233,20 @@ class LLM:
         before it (tokens, text, random stream) with its KV dropped, then, for an error (an Exception), finished
         with reason "error", or, for an interruption (KeyboardInterrupt and other BaseExceptions), queued again
         to recompute its history: it resumes exactly where it was. The exception propagates.
+
+        Threads sharing the LLM take turns (see _serialized); a step re-entered from inside one (a callback that
+        calls generate or pulls a stream) is refused, since the outer step's batch is half-built.
         """
+        if self._stepping:
+            raise RequestError("LLM.step() was re-entered from inside a running step (a callback called generate, "
+                               "step or a stream): one step runs at a time")
+        self._stepping = True
+        try:
+            return self._step_once()
+        finally:
+            self._stepping = False
+
+    def _step_once(self) -> list[RequestOutput]:
         self._reap_abandoned()
         plan = self.scheduler.schedule()
         while plan.empty and self.scheduler.running:
@@ -345,6 +382,7 @@ class LLM:
         ids, params = self.admission.admit(prompt, params)
         return RequestStream(self, self._queue(ids, params))
 
+    @_serialized
     def _drain(self, seq: Sequence) -> RequestOutput | None:
         """What the request's own consumer has not been given yet; None when there is nothing new."""
         text_end = seq.text_visible if self.tokenizer is not None else 0
@@ -357,6 +395,7 @@ class LLM:
         seq.tokens_delivered, seq.text_delivered, seq.end_delivered = len(seq.output_ids), text_end, seq.finished
         return out
 
+    @_serialized
     def result(self, request_id: int) -> GenerationResult:
         """The finished request's output; it is forgotten afterwards (call once per add_request)."""
         seq = self.requests.get(self._request_id(request_id))
