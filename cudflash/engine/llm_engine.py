@@ -3,6 +3,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from dataclasses import dataclass, field
@@ -32,6 +33,54 @@ from cudflash.tokenizer import load_tokenizer
 
 
 F = TypeVar("F", bound=Callable)
+
+
+# ---- the LLM's own arguments (ConfigError: they configure the engine, they are not one request's)
+def _at_least(minimum: int) -> Callable[[object, str], int]:
+    def check(value: object, name: str) -> int:
+        try:
+            return validate.integer(value, name, minimum=minimum, what=f"an integer >= {minimum}")
+        except RequestError as e:
+            raise ConfigError(str(e)) from None
+    return check
+
+
+def _optional(value: object, name: str, check: Callable[[object, str], int]) -> int | None:
+    return None if value is None else check(value, name)
+
+
+def _fraction(value: object, name: str) -> float:
+    try:
+        v = validate.real(value, name, "a number in (0, 1]")
+    except RequestError as e:
+        raise ConfigError(str(e)) from None
+    if not 0.0 < v <= 1.0:
+        raise ConfigError(f"{name} must be a number in (0, 1], got {v}")
+    return v
+
+
+def _flag(value: object, name: str) -> bool:
+    try:
+        return validate.boolean(value, name)
+    except RequestError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _draft_options(value: object) -> DraftOptions | None:
+    """None, a DraftOptions, or a dict of DraftOptions fields (an unknown one named)."""
+    if value is None or isinstance(value, DraftOptions):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(f"draft_options must be a DraftOptions or a dict of its fields, got "
+                          f"{validate.describe(value)}")
+    known = {f.name for f in dataclasses.fields(DraftOptions)}
+    unknown = [k for k in value if k not in known]
+    if unknown:
+        raise ConfigError(f"draft_options: unknown field {unknown[0]!r} (known: {', '.join(sorted(known))})")
+    try:
+        return DraftOptions(**value)
+    except (ConfigError, TypeError) as e:  # TypeError: a value of a type DraftOptions' range checks cannot compare
+        raise ConfigError(f"draft_options: {e}") from None
 
 
 def _serialized(method: F) -> F:
@@ -80,6 +129,21 @@ class LLM:
                  check_weights: bool = True, quantize: str | None = None, quantize_draft: bool = False,
                  quantize_lm_head: bool = False, tensor_parallel_size: int = 1,
                  num_state_snapshots: int | None = None):
+        # Every numeric and boolean argument, checked before anything loads and normalised to a plain int / float /
+        # bool: a wrong one is a ConfigError naming it, never a TypeError or ZeroDivisionError from deep inside.
+        block_size = _optional(block_size, "block_size", _at_least(1))
+        max_num_seqs = _at_least(1)(max_num_seqs, "max_num_seqs")
+        max_num_batched_tokens = _at_least(1)(max_num_batched_tokens, "max_num_batched_tokens")
+        kv_block_size = _at_least(1)(kv_block_size, "kv_block_size")
+        num_kv_blocks = _optional(num_kv_blocks, "num_kv_blocks", _at_least(1))
+        num_state_snapshots = _optional(num_state_snapshots, "num_state_snapshots", _at_least(0))
+        memory_utilization = _fraction(memory_utilization, "memory_utilization")
+        enable_prefix_caching = _flag(enable_prefix_caching, "enable_prefix_caching")
+        progress, random_weights = _flag(progress, "progress"), _flag(random_weights, "random_weights")
+        enforce_eager, check_weights = _flag(enforce_eager, "enforce_eager"), _flag(check_weights, "check_weights")
+        quantize_draft = _flag(quantize_draft, "quantize_draft")
+        quantize_lm_head = _flag(quantize_lm_head, "quantize_lm_head")
+        draft_options = _draft_options(draft_options)
         # A local folder, or a Hugging Face model id ("Org/Name": the local cache first, else a download).
         target = resolve_model(target, "target")
         draft = resolve_model(draft, "draft") if draft is not None else None
@@ -91,17 +155,12 @@ class LLM:
             raise ConfigError(f"max_model_len must be an integer in 1..{limit} (the model's max_position_embeddings), "
                               f"got {max_model_len!r}")
         self.max_model_len = max_model_len or limit
-        if not isinstance(check_weights, bool):
-            raise ConfigError(f"check_weights must be true or false, got {check_weights!r}")
-        if num_state_snapshots is not None and (not isinstance(num_state_snapshots, int)
-                                                or isinstance(num_state_snapshots, bool) or num_state_snapshots < 0):
-            raise ConfigError(f"num_state_snapshots must be an integer >= 0, got {num_state_snapshots!r}")
         self.draft_cfg = load_draft_config(draft) if draft is not None else None
         # The target's quantized format (None: unquantized) and the quantize choices, checked (quant/options.py).
         self.target_quant = check_quantize(target, draft, quantize, quantize_draft, random_weights,
                                           quantize_lm_head, tensor_parallel_size)
         # Drafting choices (DraftOptions: drafter windows, DSpark cuts, draft trees): lossless, off by default.
-        self.draft_options = DraftOptions(**draft_options) if isinstance(draft_options, dict) else draft_options
+        self.draft_options = draft_options
         if self.draft_options is not None and self.draft_cfg is None:
             raise ConfigError("draft options need a drafter (--draft)")
         if self.target_cfg.hybrid is not None and self.draft_options is not None \
@@ -115,8 +174,6 @@ class LLM:
         if self.draft_cfg is not None:
             validate_pair(self.target_cfg, self.draft_cfg)
             self.draft_cfg = apply_draft_options(self.draft_cfg, self.draft_options or DraftOptions())
-        if block_size is not None and block_size < 1:
-            raise ConfigError(f"block size must be >= 1, got {block_size}")
         if block_size is not None and block_size > 1 and self.draft_cfg is None:
             raise ConfigError(f"block size {block_size} needs a drafter (--draft)")
         self.block_size = block_size or (self.draft_cfg.block_size if self.draft_cfg else 1)  # 1 = autoregressive
