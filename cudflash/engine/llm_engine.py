@@ -25,7 +25,7 @@ from cudflash.engine.scheduler import Scheduler
 from cudflash.engine.sequence import Sequence, SequenceStatus, StepMark
 from cudflash.engine.propose import Proposer, make_proposer
 from cudflash.engine.spec_decode import SpeculativeStep, StepPhases
-from cudflash.errors import ConfigError, RequestError
+from cudflash.errors import ConfigError, CudflashError, RequestError
 from cudflash.hub import resolve_model
 from cudflash.quant.options import check_quantize
 from cudflash.sampling_params import SamplingParams
@@ -492,8 +492,20 @@ class LLM:
         else:
             raise RequestError("chat: expected a conversation (a non-empty list of message objects) or a "
                                "non-empty list of conversations")
-        prompts = [self.apply_chat_template(c, tools, chat_template_kwargs) for c in conversations]
+        prompts = [self._render_conversation(c, tools, chat_template_kwargs, i if len(conversations) > 1 else None)
+                   for i, c in enumerate(conversations)]
         return self.generate(prompts, params)
+
+    def _render_conversation(self, messages: list[dict], tools: list[dict] | None, kwargs: dict | None,
+                             index: int | None) -> list[int]:
+        """One of chat()'s conversations as prompt ids; with several, an error names which one it is about (the
+        message index alone, "messages[0].role", would not say)."""
+        try:
+            return self.apply_chat_template(messages, tools, kwargs)
+        except CudflashError as e:
+            if index is None:
+                raise
+            raise type(e)(f"conversations[{index}]: {e}") from None
 
 
 class RequestStream:
