@@ -206,3 +206,21 @@ def test_the_body_must_be_declared_as_json_and_fit_the_limit(served):
                              + b"".join(b"%x\r\n%s\r\n" % (len(mib), mib) for _ in range(17)) + b"0\r\n\r\n")
     assert status == 413 and set(reply["error"]) == ERROR_KEYS
     assert request(served.url, "POST", "/v1/completions", body).status_code == 200
+
+
+@pytest.mark.parametrize("arguments, kind", [("[1, 2]", "an array"), ('"x"', "a string"), ("3", "a number"),
+                                             ("null", "null"), ("true", "true or false")])
+def test_tool_call_arguments_must_decode_to_an_object(arguments, kind):
+    """OpenAI sends a tool call's arguments as a JSON string; one that decodes to something other than an object
+    was passed to the template as it was, where the message blamed its type ("a JSON string or an object")
+    though it was a JSON string."""
+    from cudflash.server.protocol import APIError, parse_chat
+
+    call = {"type": "function", "function": {"name": "f", "arguments": arguments}}
+    with pytest.raises(APIError) as e:
+        parse_chat({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [call]}]})
+    assert e.value.status == 400 and e.value.param == "messages[1].tool_calls[0].function.arguments"
+    assert "JSON object" in e.value.message and kind in e.value.message
+    ok = parse_chat({"messages": [{"role": "assistant", "tool_calls": [{**call, "function": {
+        "name": "f", "arguments": '{"x": [1]}'}}]}]})
+    assert ok.messages[0]["tool_calls"][0]["function"]["arguments"] == {"x": [1]}
