@@ -175,6 +175,22 @@ def test_chat_equals_generate_on_the_rendered_prompt(chat_llm):
             chat_llm.chat(bad)
 
 
+def test_a_bad_conversation_among_several_is_named(chat_llm):
+    """With several conversations, an error names which one it is about, not only the message index inside it;
+    nothing is queued."""
+    good = [{"role": "user", "content": "x = 1"}]
+    with pytest.raises(RequestError) as e:
+        chat_llm.chat([good, good, [{"role": "user", "content": "y"}, {"role": 5, "content": "z"}]])
+    expect_error(e, "conversations[2]", "messages[1].role")
+    with pytest.raises(RequestError) as e:
+        chat_llm.chat([good, [{"role": "user", "content": 3}]])
+    expect_error(e, "conversations[1]", "messages[0].content")
+    with pytest.raises(RequestError) as e:
+        chat_llm.chat([{"role": "user", "content": 3}])  # one conversation: no index to give
+    assert not str(e.value).startswith("conversations")
+    assert not chat_llm.requests and not chat_llm.has_unfinished()
+
+
 def test_a_model_without_a_template_says_so(tiny_pair):
     llm = LLM(tiny_pair / "target", backend="cpu")
     with pytest.raises(ConfigError) as e:

@@ -4,9 +4,7 @@ Each server runs uvicorn in a background thread on a free loopback port; every w
 """
 from __future__ import annotations
 
-import http.client
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +20,9 @@ uvicorn = pytest.importorskip("uvicorn", reason="the server needs `pip install c
 from cudflash import LLM, SamplingParams  # noqa: E402
 from cudflash.server.app import build_app  # noqa: E402
 
+import http_helpers  # noqa: E402
+from http_helpers import request  # noqa: E402
+
 MODEL = "tiny-chat"
 EXTENSIONS = ("ignore_eos", "top_k", "stop_token_ids", "chat_template_kwargs")  # not in the client's signature
 
@@ -32,70 +33,9 @@ def call(create, **kw):
     return create(extra_body=extra or None, **kw)
 
 
-class Reply:
-    def __init__(self, status: int, body: bytes):
-        self.status_code, self.text = status, body.decode("utf-8", "replace")
-
-    def json(self):
-        return json.loads(self.text)
-
-
-def _connect(url: str, timeout: float) -> http.client.HTTPConnection:
-    host, port = url.removeprefix("http://").split(":")
-    return http.client.HTTPConnection(host, int(port), timeout=timeout)
-
-
-def request(url: str, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None,
-            timeout: float = 30.0) -> Reply:
-    """One plain HTTP request (stdlib only, so that the raw protocol is what is tested)."""
-    conn = _connect(url, timeout)
-    try:
-        raw = json.dumps(body).encode() if isinstance(body, dict) else body
-        conn.request(method, path, body=raw, headers={"content-type": "application/json", **(headers or {})})
-        r = conn.getresponse()
-        return Reply(r.status, r.read())
-    finally:
-        conn.close()
-
-
-class RunningServer:
-    def __init__(self, app):
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
-            time.sleep(0.02)
-
-    @property
-    def engine(self):
-        return self.app.state.server.engine
-
+class RunningServer(http_helpers.RunningServer):
     def client(self, api_key: str = "unused", timeout: float = 60.0) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=timeout)
-
-    def metrics(self) -> dict[str, float]:
-        text = request(self.url, "GET", "/metrics").text
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines() if line and not line.startswith("#")}
-
-    def wait_until(self, check, what: str, seconds: float = 20.0) -> dict[str, float]:
-        deadline = time.monotonic() + seconds
-        while True:
-            m = self.metrics()
-            if check(m):
-                return m
-            assert time.monotonic() < deadline, f"timed out waiting for {what}: {m}"
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +155,7 @@ def test_a_client_that_disconnects_is_aborted_and_its_blocks_freed(served):
     before = served.metrics()
     aborted = 'cudflash_requests_finished_total{finish_reason="abort"}'
     body = {"model": MODEL, "prompt": "def long_function(", "max_tokens": 3000, "ignore_eos": True, "stream": True}
-    conn = _connect(served.url, timeout=30)
+    conn = http_helpers.connect(served.url, timeout=30)
     conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
                  headers={"content-type": "application/json"})
     response = conn.getresponse()

@@ -85,3 +85,22 @@ def test_a_large_step_budget_takes_its_activations_from_the_kv_pool(pair, monkey
     assert big.runner.blocks.num_blocks == (30 * per_block - act) // per_block < 30
     monkeypatch.setattr(NumpyBackend, "activation_reserve", act)  # covered by the reserve
     assert LLM(*pair, backend="cpu", max_num_seqs=4, max_num_batched_tokens=tokens).runner.blocks.num_blocks == 30
+
+
+@pytest.mark.parametrize("kwargs", [dict(num_kv_blocks=64, max_model_len=40), dict(num_kv_blocks=3),
+                                    dict(num_kv_blocks=4, draft_options={"tree_budget": 9})],
+                         ids=["max_model_len", "pool", "tree-lookahead"])
+def test_room_is_exactly_what_admission_accepts(pair, kwargs):
+    """Admission.room(n), the default max_tokens of a server request, is the largest max_tokens a prompt of n tokens
+    is admitted with, whatever bounds it (max_model_len, the pool, a draft tree's lookahead beyond the block); a
+    prompt with no room left is refused for its own length, without naming a max_tokens."""
+    llm = LLM(*pair, backend="cpu", **kwargs)
+    admission = llm.admission
+    for n in (1, 5, 20, 30, 47, 60, 70):
+        room = admission.room(n)
+        if room >= 1:
+            admission.check_fits([3] * n, SamplingParams(max_tokens=room))
+        with pytest.raises(RequestError) as e:
+            admission.check_fits([3] * n, SamplingParams(max_tokens=max(room, 0) + 1))
+        assert ("max_tokens can be at most" in str(e.value)) == (room >= 1), str(e.value)
+    assert admission.room(llm.max_model_len) <= 0

@@ -79,21 +79,37 @@ class Admission:
                                "tokenizers`)")
         return params
 
+    def room(self, prompt_len: int) -> int:
+        """The most new tokens a prompt of `prompt_len` tokens can ever get (<= 0: none): what max_model_len leaves
+        and, once the KV pool exists, what the pool can hold beside the prompt. `check_fits` refuses exactly the
+        requests asking for more, so a server's default max_tokens (the rest of the context) is `room`."""
+        room = self.max_model_len - prompt_len
+        if self.blocks is not None:
+            # A sequence holds at most prompt + max_tokens + lookahead + 1 slots: its draft block (or tree) and
+            # the pending token past its last committed token.
+            room = min(room, self.blocks.num_blocks * self.blocks.block_size - prompt_len - self.block_size - 1)
+        return room
+
     def check_fits(self, ids: list[int], params: SamplingParams, name: str = "prompt") -> None:
+        n, wanted = len(ids), params.max_tokens
+        if wanted <= self.room(n):
+            return
         limit = self.max_model_len
-        if len(ids) + params.max_tokens > limit:
+        if n + wanted > limit:
             what = "the model's max_position_embeddings" if limit == self.cfg.max_position_embeddings \
                 else "max_model_len"
-            raise RequestError(
-                f"{name}: prompt ({len(ids)} tokens) + max_tokens ({validate.describe(params.max_tokens)}) exceeds "
-                f"{what} ({limit})"
-            )
-        if self.blocks is None:
-            return
-        worst = len(ids) + params.max_tokens + self.block_size + 1
-        if self.blocks.blocks_for(worst) > self.blocks.num_blocks:
-            raise RequestError(f"{name}: request of {len(ids)} + {params.max_tokens} tokens can never fit the KV "
-                               f"pool ({self.blocks.num_blocks} blocks of {self.blocks.block_size})")
+            context = f"this model's maximum context length is {limit} tokens"
+            if n >= limit:  # no max_tokens could help: say so rather than name a max_tokens the caller may not have set
+                raise RequestError(f"{name}: prompt ({n} tokens) leaves no room for a new token within {what} "
+                                   f"({limit}): {context}; shorten the prompt")
+            raise RequestError(f"{name}: prompt ({n} tokens) + max_tokens ({validate.describe(wanted)}) exceeds "
+                               f"{what} ({limit}): {context}, so max_tokens can be at most {limit - n}")
+        pool = f"the KV pool ({self.blocks.num_blocks} blocks of {self.blocks.block_size})"
+        room = self.room(n)
+        if room < 1:
+            raise RequestError(f"{name}: prompt of {n} tokens can never fit {pool}")
+        raise RequestError(f"{name}: request of {n} + {wanted} tokens can never fit {pool}: max_tokens can be at "
+                           f"most {room} for this prompt")
 
     def admit(self, prompt: Any, params: Any, prompt_name: str = "prompt",
               params_name: str = "params") -> tuple[list[int], SamplingParams]:

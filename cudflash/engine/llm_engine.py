@@ -3,10 +3,13 @@
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+import threading
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Sequence as Seq
+from typing import Callable, Sequence as Seq, TypeVar
 
 import numpy as np
 
@@ -22,11 +25,74 @@ from cudflash.engine.scheduler import Scheduler
 from cudflash.engine.sequence import Sequence, SequenceStatus, StepMark
 from cudflash.engine.propose import Proposer, make_proposer
 from cudflash.engine.spec_decode import SpeculativeStep, StepPhases
-from cudflash.errors import ConfigError, RequestError
+from cudflash.errors import ConfigError, CudflashError, RequestError
 from cudflash.hub import resolve_model
 from cudflash.quant.options import check_quantize
 from cudflash.sampling_params import SamplingParams
 from cudflash.tokenizer import load_tokenizer
+
+
+F = TypeVar("F", bound=Callable)
+
+
+# ---- the LLM's own arguments (ConfigError: they configure the engine, they are not one request's)
+def _at_least(minimum: int) -> Callable[[object, str], int]:
+    def check(value: object, name: str) -> int:
+        try:
+            return validate.integer(value, name, minimum=minimum, what=f"an integer >= {minimum}")
+        except RequestError as e:
+            raise ConfigError(str(e)) from None
+    return check
+
+
+def _optional(value: object, name: str, check: Callable[[object, str], int]) -> int | None:
+    return None if value is None else check(value, name)
+
+
+def _fraction(value: object, name: str) -> float:
+    try:
+        v = validate.real(value, name, "a number in (0, 1]")
+    except RequestError as e:
+        raise ConfigError(str(e)) from None
+    if not 0.0 < v <= 1.0:
+        raise ConfigError(f"{name} must be a number in (0, 1], got {v}")
+    return v
+
+
+def _flag(value: object, name: str) -> bool:
+    try:
+        return validate.boolean(value, name)
+    except RequestError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _draft_options(value: object) -> DraftOptions | None:
+    """None, a DraftOptions, or a dict of DraftOptions fields (an unknown one named)."""
+    if value is None or isinstance(value, DraftOptions):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(f"draft_options must be a DraftOptions or a dict of its fields, got "
+                          f"{validate.describe(value)}")
+    known = {f.name for f in dataclasses.fields(DraftOptions)}
+    unknown = [k for k in value if k not in known]
+    if unknown:
+        raise ConfigError(f"draft_options: unknown field {unknown[0]!r} (known: {', '.join(sorted(known))})")
+    try:
+        return DraftOptions(**value)
+    except (ConfigError, TypeError) as e:  # TypeError: a value of a type DraftOptions' range checks cannot compare
+        raise ConfigError(f"draft_options: {e}") from None
+
+
+def _serialized(method: F) -> F:
+    """Run the method holding the LLM's lock. Invariant: the scheduler, the KV blocks and `requests` change only
+    under it, so that threads sharing one LLM (two `generate` calls, a stream consumed in another thread) take turns
+    step by step instead of stepping into each other's half-built batches. Reentrant: `generate` holds it around
+    `_queue`, which holds it again."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked  # type: ignore[return-value]
 
 
 @dataclass(slots=True)
@@ -63,6 +129,21 @@ class LLM:
                  check_weights: bool = True, quantize: str | None = None, quantize_draft: bool = False,
                  quantize_lm_head: bool = False, tensor_parallel_size: int = 1,
                  num_state_snapshots: int | None = None):
+        # Every numeric and boolean argument, checked before anything loads and normalised to a plain int / float /
+        # bool: a wrong one is a ConfigError naming it, never a TypeError or ZeroDivisionError from deep inside.
+        block_size = _optional(block_size, "block_size", _at_least(1))
+        max_num_seqs = _at_least(1)(max_num_seqs, "max_num_seqs")
+        max_num_batched_tokens = _at_least(1)(max_num_batched_tokens, "max_num_batched_tokens")
+        kv_block_size = _at_least(1)(kv_block_size, "kv_block_size")
+        num_kv_blocks = _optional(num_kv_blocks, "num_kv_blocks", _at_least(1))
+        num_state_snapshots = _optional(num_state_snapshots, "num_state_snapshots", _at_least(0))
+        memory_utilization = _fraction(memory_utilization, "memory_utilization")
+        enable_prefix_caching = _flag(enable_prefix_caching, "enable_prefix_caching")
+        progress, random_weights = _flag(progress, "progress"), _flag(random_weights, "random_weights")
+        enforce_eager, check_weights = _flag(enforce_eager, "enforce_eager"), _flag(check_weights, "check_weights")
+        quantize_draft = _flag(quantize_draft, "quantize_draft")
+        quantize_lm_head = _flag(quantize_lm_head, "quantize_lm_head")
+        draft_options = _draft_options(draft_options)
         # A local folder, or a Hugging Face model id ("Org/Name": the local cache first, else a download).
         target = resolve_model(target, "target")
         draft = resolve_model(draft, "draft") if draft is not None else None
@@ -74,17 +155,12 @@ class LLM:
             raise ConfigError(f"max_model_len must be an integer in 1..{limit} (the model's max_position_embeddings), "
                               f"got {max_model_len!r}")
         self.max_model_len = max_model_len or limit
-        if not isinstance(check_weights, bool):
-            raise ConfigError(f"check_weights must be true or false, got {check_weights!r}")
-        if num_state_snapshots is not None and (not isinstance(num_state_snapshots, int)
-                                                or isinstance(num_state_snapshots, bool) or num_state_snapshots < 0):
-            raise ConfigError(f"num_state_snapshots must be an integer >= 0, got {num_state_snapshots!r}")
         self.draft_cfg = load_draft_config(draft) if draft is not None else None
         # The target's quantized format (None: unquantized) and the quantize choices, checked (quant/options.py).
         self.target_quant = check_quantize(target, draft, quantize, quantize_draft, random_weights,
                                           quantize_lm_head, tensor_parallel_size)
         # Drafting choices (DraftOptions: drafter windows, DSpark cuts, draft trees): lossless, off by default.
-        self.draft_options = DraftOptions(**draft_options) if isinstance(draft_options, dict) else draft_options
+        self.draft_options = draft_options
         if self.draft_options is not None and self.draft_cfg is None:
             raise ConfigError("draft options need a drafter (--draft)")
         if self.target_cfg.hybrid is not None and self.draft_options is not None \
@@ -98,8 +174,6 @@ class LLM:
         if self.draft_cfg is not None:
             validate_pair(self.target_cfg, self.draft_cfg)
             self.draft_cfg = apply_draft_options(self.draft_cfg, self.draft_options or DraftOptions())
-        if block_size is not None and block_size < 1:
-            raise ConfigError(f"block size must be >= 1, got {block_size}")
         if block_size is not None and block_size > 1 and self.draft_cfg is None:
             raise ConfigError(f"block size {block_size} needs a drafter (--draft)")
         self.block_size = block_size or (self.draft_cfg.block_size if self.draft_cfg else 1)  # 1 = autoregressive
@@ -135,6 +209,8 @@ class LLM:
         self.requests: dict[int, Sequence] = {}  # every request added and not yet forgotten (result / stream end)
         self._abandoned: list[Sequence] = []  # requests of streams dropped unclosed, aborted at the next safe point
         self._next_id = 0
+        self._lock = threading.RLock()  # see _serialized
+        self._stepping = False  # inside step(): a step re-entered from inside one (a callback) is refused
 
     def _make_step(self, proposer: Proposer | None, graphs: bool) -> SpeculativeStep:
         """The engine's step; with `graphs`, its decode-only steps replay CUDA graphs that the engine owns."""
@@ -160,12 +236,14 @@ class LLM:
         self.engine.set_proposer(proposer)
 
     # ---- requests
+    @_serialized
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
         """Queue a request; it runs in the next steps alongside the others. Returns its request id. Every check
         happens here (cudflash.engine.admission): a request that is queued never makes a step raise."""
         ids, params = self.admission.admit(prompt, params)
         return self._queue(ids, params).seq_id
 
+    @_serialized
     def _queue(self, ids: list[int], params: SamplingParams) -> Sequence:
         self._reap_abandoned()
         seq = Sequence(self._next_id, ids, params)
@@ -174,6 +252,7 @@ class LLM:
         self.scheduler.add(seq)
         return seq
 
+    @_serialized
     def abort(self, request_id: int) -> None:
         """Finish a request with reason "abort" and free its KV blocks at once; a no-op for a finished or unknown
         id (a stream's request may have ended on its own)."""
@@ -181,6 +260,7 @@ class LLM:
         if seq is not None:
             self._abort(seq)
 
+    @_serialized
     def _abort(self, seq: Sequence) -> None:
         if not seq.finished:
             self.scheduler.remove(seq)
@@ -202,6 +282,7 @@ class LLM:
         return self.scheduler.has_work
 
     # ---- stepping
+    @_serialized
     def step(self) -> list[RequestOutput]:
         """One engine step: the new tokens (and text) of every request it advanced.
 
@@ -209,7 +290,20 @@ class LLM:
         before it (tokens, text, random stream) with its KV dropped, then, for an error (an Exception), finished
         with reason "error", or, for an interruption (KeyboardInterrupt and other BaseExceptions), queued again
         to recompute its history: it resumes exactly where it was. The exception propagates.
+
+        Threads sharing the LLM take turns (see _serialized); a step re-entered from inside one (a callback that
+        calls generate or pulls a stream) is refused, since the outer step's batch is half-built.
         """
+        if self._stepping:
+            raise RequestError("LLM.step() was re-entered from inside a running step (a callback called generate, "
+                               "step or a stream): one step runs at a time")
+        self._stepping = True
+        try:
+            return self._step_once()
+        finally:
+            self._stepping = False
+
+    def _step_once(self) -> list[RequestOutput]:
         self._reap_abandoned()
         plan = self.scheduler.schedule()
         while plan.empty and self.scheduler.running:
@@ -345,6 +439,7 @@ class LLM:
         ids, params = self.admission.admit(prompt, params)
         return RequestStream(self, self._queue(ids, params))
 
+    @_serialized
     def _drain(self, seq: Sequence) -> RequestOutput | None:
         """What the request's own consumer has not been given yet; None when there is nothing new."""
         text_end = seq.text_visible if self.tokenizer is not None else 0
@@ -357,6 +452,7 @@ class LLM:
         seq.tokens_delivered, seq.text_delivered, seq.end_delivered = len(seq.output_ids), text_end, seq.finished
         return out
 
+    @_serialized
     def result(self, request_id: int) -> GenerationResult:
         """The finished request's output; it is forgotten afterwards (call once per add_request)."""
         seq = self.requests.get(self._request_id(request_id))
@@ -396,8 +492,20 @@ class LLM:
         else:
             raise RequestError("chat: expected a conversation (a non-empty list of message objects) or a "
                                "non-empty list of conversations")
-        prompts = [self.apply_chat_template(c, tools, chat_template_kwargs) for c in conversations]
+        prompts = [self._render_conversation(c, tools, chat_template_kwargs, i if len(conversations) > 1 else None)
+                   for i, c in enumerate(conversations)]
         return self.generate(prompts, params)
+
+    def _render_conversation(self, messages: list[dict], tools: list[dict] | None, kwargs: dict | None,
+                             index: int | None) -> list[int]:
+        """One of chat()'s conversations as prompt ids; with several, an error names which one it is about (the
+        message index alone, "messages[0].role", would not say)."""
+        try:
+            return self.apply_chat_template(messages, tools, kwargs)
+        except CudflashError as e:
+            if index is None:
+                raise
+            raise type(e)(f"conversations[{index}]: {e}") from None
 
 
 class RequestStream:

@@ -160,7 +160,7 @@ class OpenAIServer:
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "cudflash",
-            "max_model_len": self.llm.target_cfg.max_position_embeddings}]})
+            "max_model_len": self.llm.max_model_len}]})
 
     async def metrics(self, request: Request) -> Response:
         return Response(render_metrics(self.engine.stats, self.llm.speculative), media_type=CONTENT_TYPE)
@@ -196,10 +196,10 @@ class OpenAIServer:
         return [self.llm.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
 
     def _room(self, prompt_len: int) -> int:
-        """The most new tokens a prompt of this length can get: the rest of the context, within the KV pool."""
-        blocks = self.llm.runner.blocks
-        by_pool = blocks.num_blocks * blocks.block_size - prompt_len - self.llm.block_size - 1
-        return max(1, min(self.llm.target_cfg.max_position_embeddings - prompt_len, by_pool))
+        """The default max_tokens where a request sets none: the rest of the context, as the engine's admission
+        counts it (max_model_len, the KV pool, the draft lookahead). At least 1, so that a prompt with no room left
+        is refused by admission for its length, not for a max_tokens the client never sent."""
+        return max(1, self.llm.admission.room(prompt_len))
 
     def _params(self, req: ParsedRequest, prompt_len: int, choice: int) -> SamplingParams:
         s, d = req.sampling, self.defaults
@@ -252,6 +252,8 @@ class OpenAIServer:
                 self.engine.abort(handles)
                 default = "prompt" if endpoint == "completions" else "messages"
                 param = _param_of(event.message, default) if event.status == 400 else None
+                if param == "prompt" and endpoint == "chat":
+                    param = "messages"  # a chat request's prompt is what its messages rendered to
                 raise APIError(event.status, event.message, param,
                                type="invalid_request_error" if event.status == 400 else "server_error")
             else:
@@ -317,7 +319,21 @@ class OpenAIServer:
         yield protocol.sse("[DONE]")
 
 
+def _check_content_type(request: Request) -> None:
+    """A body declared as something other than JSON is refused (as vLLM's FastAPI does), rather than parsed as JSON
+    anyway; a request that declares no type is read as JSON."""
+    declared = request.headers.get("content-type", "")
+    media = declared.split(";", 1)[0].strip().lower()
+    if media and media != "application/json" and not media.endswith("+json"):
+        raise APIError(400, f"the request body must be JSON (Content-Type: application/json), got Content-Type "
+                            f"{declared[:60]!a}")
+
+
 async def _read_body(request: Request) -> dict:
+    _check_content_type(request)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:  # refused before reading any of it
+        raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB")
     raw, size = [], 0
     async for piece in request.stream():
         size += len(piece)

@@ -100,6 +100,7 @@ class _TextStream:
 
 
 _STOP = object()
+STEP_FAILED = "internal error in the engine step"
 
 
 class EngineLoop:
@@ -165,33 +166,45 @@ class EngineLoop:
                 pass
 
     def _run(self) -> None:
-        llm = self.llm
+        """The engine thread's loop. It never dies of an exception (a dead thread would leave every later request
+        waiting forever): whatever escapes one iteration fails the requests in flight and the loop goes on."""
         while True:
             batch: list[tuple[RequestHandle, object]] = []
-            commands = [self._commands.get()] if not llm.has_unfinished() else []
-            while True:
-                try:
-                    commands.append(self._commands.get_nowait())
-                except queue.Empty:
-                    break
-            for command in commands:
-                if command is _STOP:
-                    self._fail_all("the server is shutting down", batch)
-                    self._post(batch)
-                    return
-                kind, handle = command
-                if kind == "add":
-                    self._add(handle, batch)
-                else:
-                    self._abort(handle, batch)
-            if llm.has_unfinished():
-                try:
-                    self._step(batch)
-                except Exception:  # an engine bug: fail what was running, keep serving new requests
-                    traceback.print_exc(file=sys.stderr)
-                    self._fail_all("internal error in the engine step", batch)
-            self._publish()
+            try:
+                stop = self._iterate(batch)
+            except Exception:  # an engine bug outside a step (a step's own failure is handled in _step)
+                traceback.print_exc(file=sys.stderr)
+                self._fail_all("internal error in the engine loop", batch)
+                stop = False
+            try:
+                self._publish()
+            except Exception:
+                traceback.print_exc(file=sys.stderr)
             self._post(batch)
+            if stop:
+                return
+
+    def _iterate(self, batch: list) -> bool:
+        """Handle the queued commands, then step once if there is work; True when told to stop."""
+        llm = self.llm
+        commands = [self._commands.get()] if not llm.has_unfinished() else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        for command in commands:
+            if command is _STOP:
+                self._fail_all("the server is shutting down", batch)
+                return True
+            kind, handle = command
+            if kind == "add":
+                self._add(handle, batch)
+            else:
+                self._abort(handle, batch)
+        if llm.has_unfinished():
+            self._step(batch)
+        return False
 
     def _add(self, handle: RequestHandle, batch: list) -> None:
         try:
@@ -214,6 +227,9 @@ class EngineLoop:
             self._finish(handle.request_id, batch)
 
     def _finish(self, rid: int, batch: list) -> None:
+        """The request's final event: Done, or Failed for a request the engine finished with reason "error" (a
+        failed step or non-finite logits), so that a client gets a server error rather than a "successful" reply
+        with a finish reason OpenAI does not define."""
         handle, stream = self._live.pop(rid)
         result = self.llm.result(rid)  # forgets the request
         c = self._counts
@@ -221,10 +237,21 @@ class EngineLoop:
         if self.llm.speculative:
             c.spec_steps += len(result.acceptance_lengths)
             c.spec_tokens += sum(result.acceptance_lengths)
-        batch.append((handle, Done(stream.finish(result.text or ""), result.finish_reason, len(result.token_ids))))
+        if result.finish_reason == "error":
+            batch.append((handle, Failed(STEP_FAILED)))
+        else:
+            batch.append((handle, Done(stream.finish(result.text or ""), result.finish_reason,
+                                       len(result.token_ids))))
 
     def _step(self, batch: list) -> None:
-        outputs = self.llm.step()
+        try:
+            outputs = self.llm.step()
+        except Exception:
+            # LLM.step has finished the requests the failed step touched with reason "error" and left every other
+            # one as it was (queued, or running with its KV intact): answer the failed ones, keep serving the rest.
+            traceback.print_exc(file=sys.stderr)
+            self._finish_failed(batch)
+            return
         if outputs:
             self._counts.steps += 1
         for out in outputs:
@@ -238,6 +265,16 @@ class EngineLoop:
                 delta = stream.push(out.new_text or "")
                 if delta:
                     batch.append((handle, Delta(delta)))
+
+    def _finish_failed(self, batch: list) -> None:
+        """After a step raised: the final event of every live request the engine finished meanwhile."""
+        for rid in list(self._live):
+            seq = self.llm.requests.get(rid)
+            if seq is None:  # forgotten behind our back: nothing to read, but the handle still needs its event
+                handle, _ = self._live.pop(rid)
+                batch.append((handle, Failed(STEP_FAILED)))
+            elif seq.finished:
+                self._finish(rid, batch)
 
     def _fail_all(self, message: str, batch: list) -> None:
         for rid in list(self._live):

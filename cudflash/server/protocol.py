@@ -171,7 +171,7 @@ def _only(*allowed: Any) -> Handler:
 def _typed(kind: type) -> Handler:
     def check(req: ParsedRequest, name: str, v: Any) -> None:
         if not isinstance(v, kind):
-            raise bad(name, f"expected a {'string' if kind is str else 'object'}")
+            raise bad(name, f"expected {'a string' if kind is str else 'an object'}")
     return check
 
 
@@ -274,13 +274,22 @@ def _openai_message(m: Any, at: str) -> Any:
     for j, call in enumerate(m["tool_calls"]):
         fn = call.get("function") if isinstance(call, dict) else None
         if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            where = f"{at}.tool_calls[{j}].function.arguments"
             try:
                 args = json.loads(fn["arguments"])
             except (ValueError, RecursionError):
-                raise bad(f"{at}.tool_calls[{j}].function.arguments", "is not valid JSON") from None
+                raise bad(where, "is not valid JSON") from None
+            if not isinstance(args, dict):  # templates iterate it by name, as transformers passes it
+                raise bad(where, f"must be a JSON object (the arguments by name), got JSON {_json_kind(args)}")
             call = {**call, "function": {**fn, "arguments": args}}
         calls.append(call)
     return {**m, "tool_calls": calls}
+
+
+def _json_kind(v: Any) -> str:
+    kinds = ((bool, "true or false"), (str, "a string"), (list, "an array"), (dict, "an object"), (int, "a number"),
+             (float, "a number"))
+    return "null" if v is None else next(k for t, k in kinds if isinstance(v, t))
 
 
 def _tools(req: ParsedRequest, name: str, v: Any) -> None:
