@@ -53,6 +53,11 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"BLAS threads: {pools or 'no BLAS found'}"
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: a worker per core, at most 8 (each loads its files' models; more would only cost memory)."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
 ROOT = Path(__file__).resolve().parents[1]
 # The shared tiny pair beside the checkout; a copy in .cache/ where ../shared does not travel (the GPU machine).
 TINY_PAIR_PLACES = [ROOT / ".." / "shared" / "models" / "tiny-code-pair", ROOT / ".cache" / "tiny-code-pair"]
