@@ -146,17 +146,22 @@ def compressed_fp8(tensors: dict[str, np.ndarray], strategy: str = "channel", sc
     return out, config
 
 
+def _per_tensor_fp8(w: np.ndarray) -> tuple[tuple[str, np.ndarray], tuple[str, np.ndarray]]:
+    """The E4M3 codes of w and its one F32 scale, amax / 448 (1 for an all-zero weight): AutoFP8's and ModelOpt's
+    per-tensor recipe."""
+    amax = np.float32(np.abs(w).max())
+    scale = np.float32(amax / np.float32(448)) if amax > 0 else np.float32(1)
+    return ("F8_E4M3", encode_e4m3(w / scale)), ("F32", np.array(scale, dtype=np.float32))
+
+
 def autofp8(tensors: dict[str, np.ndarray], static: bool = False):
     """(tensors, quantization_config) of an AutoFP8 checkpoint (neuralmagic's first -FP8 releases, e.g.
     Meta-Llama-3-8B-Instruct-FP8): `quant_method: fp8` without weight_block_size, one F32 scalar weight_scale (amax /
     448) per module and, for the static scheme, a scalar input_scale."""
     out = {}
     for name, w in _to_quantize(tensors, out):
-        amax = np.float32(np.abs(w).max())
-        scale = np.float32(amax / np.float32(448)) if amax > 0 else np.float32(1)
         module = name[: -len("weight")]
-        out[name] = ("F8_E4M3", encode_e4m3(w / scale))
-        out[module + "weight_scale"] = ("F32", np.array(scale, dtype=np.float32))
+        out[name], out[module + "weight_scale"] = _per_tensor_fp8(w)
         if static:
             out[module + "input_scale"] = ("F32", np.array(0.04, dtype=np.float32))
     return out, {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic",
@@ -185,11 +190,8 @@ def modelopt_fp8(tensors: dict[str, np.ndarray]):
     module, FP8 KV-cache scales on k_proj / v_proj (the engine keeps a bf16 cache and reads none of these)."""
     out = {}
     for name, w in _to_quantize(tensors, out):
-        amax = np.float32(np.abs(w).max())
-        scale = np.float32(amax / np.float32(448)) if amax > 0 else np.float32(1)
         module = name[: -len("weight")]
-        out[name] = ("F8_E4M3", encode_e4m3(w / scale))
-        out[module + "weight_scale"] = ("F32", np.array(scale, dtype=np.float32))
+        out[name], out[module + "weight_scale"] = _per_tensor_fp8(w)
         out[module + "input_scale"] = ("F32", np.array(0.03, dtype=np.float32))
         if name.endswith(("k_proj.weight", "v_proj.weight")):
             out[module + name.split(".")[-2][0] + "_scale"] = ("F32", np.array(1.0, dtype=np.float32))
