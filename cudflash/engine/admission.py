@@ -92,7 +92,8 @@ class Admission:
 
     def check_fits(self, ids: list[int], params: SamplingParams, name: str = "prompt") -> None:
         n, wanted = len(ids), params.max_tokens
-        if wanted <= self.room(n):
+        room = self.room(n)
+        if wanted <= room:
             return
         limit = self.max_model_len
         if n + wanted > limit:
@@ -105,7 +106,6 @@ class Admission:
             raise RequestError(f"{name}: prompt ({n} tokens) + max_tokens ({validate.describe(wanted)}) exceeds "
                                f"{what} ({limit}): {context}, so max_tokens can be at most {limit - n}")
         pool = f"the KV pool ({self.blocks.num_blocks} blocks of {self.blocks.block_size})"
-        room = self.room(n)
         if room < 1:
             raise RequestError(f"{name}: prompt of {n} tokens can never fit {pool}")
         raise RequestError(f"{name}: request of {n} + {wanted} tokens can never fit {pool}: max_tokens can be at "
